@@ -1,0 +1,1 @@
+"""Pitstop's recovery core: cost model, planner, restorer, policies and simulator (pure Python)."""

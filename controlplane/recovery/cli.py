@@ -1,0 +1,90 @@
+"""Command line of the recovery core: estimate a plan, compare recovery candidates."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from controlplane.recovery import policies
+from controlplane.recovery.errors import RecoveryError
+from controlplane.recovery.estimator import estimate_step_time, peak_memory
+from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
+from controlplane.recovery.scenario import load_scenario
+
+EXIT_BAD_INPUT = 2
+
+
+def estimate(state: ClusterState) -> dict[str, Any]:
+    """Step time and per-device peak memory of the scenario's current plan."""
+    peaks = peak_memory(state.profile, state.plan)
+    return {
+        "est_step_time_s": estimate_step_time(state.profile, state.cluster, state.plan),
+        "peak_memory_bytes": {str(d): b for d, b in sorted(peaks.items())},
+    }
+
+
+def best_index(candidates: Sequence[Candidate]) -> int | None:
+    """Index of the feasible candidate with the highest objective (first one on ties)."""
+    best: int | None = None
+    for i, c in enumerate(candidates):
+        if c.feasible and (best is None or c.objective > candidates[best].objective):
+            best = i
+    return best
+
+
+def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False) -> dict[str, Any]:
+    """Every named policy's candidates for the scenario's failure, and the best one."""
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    started = time.perf_counter()
+    candidates: list[Candidate] = []
+    for name in names:
+        candidates.extend(policies.get(name, exhaustive=exhaustive).propose(state, failure))
+    return {
+        "search_time_s": time.perf_counter() - started,
+        "chosen": best_index(candidates),
+        "candidates": [c.to_dict() for c in candidates],
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="python -m controlplane.recovery",
+        description="Pitstop's recovery core: estimate plans and compare recovery policies.",
+    )
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    est = commands.add_parser("estimate", help="step time and peak memory of a scenario's plan")
+    est.add_argument("scenario", help="scenario JSON file (docs/scenario.md)")
+    pl = commands.add_parser("plan", help="recovery candidates of every policy, best chosen")
+    pl.add_argument("scenario", help="scenario JSON file (docs/scenario.md)")
+    pl.add_argument(
+        "--policy",
+        action="append",
+        choices=policies.names(),
+        help="policy to ask (repeatable); default: all of them",
+    )
+    pl.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="search every partition without pruning (reference mode; small clusters only)",
+    )
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        state = load_scenario(args.scenario)
+        if args.command == "estimate":
+            result = estimate(state)
+        else:
+            result = plan(state, args.policy or policies.names(), exhaustive=args.exhaustive)
+    except RecoveryError as exc:
+        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0

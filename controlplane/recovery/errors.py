@@ -1,0 +1,37 @@
+"""Domain exceptions of the recovery core, each with a stable error code."""
+
+from __future__ import annotations
+
+
+class RecoveryError(Exception):
+    """Base of every error the core raises on purpose; ``code`` is stable at every edge."""
+
+    code = "recovery_error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InvalidScenario(RecoveryError):
+    """The scenario, profile or plan given to the core is malformed or inconsistent."""
+
+    code = "invalid_scenario"
+
+
+class UnknownDevice(InvalidScenario):
+    """A device id names no device of the cluster."""
+
+    code = "unknown_device"
+
+
+class InfeasiblePlan(RecoveryError):
+    """No plan exists that satisfies the constraints (memory, batch, surviving replicas)."""
+
+    code = "infeasible_plan"
+
+
+class UnknownPolicy(RecoveryError):
+    """A policy name is not registered."""
+
+    code = "unknown_policy"

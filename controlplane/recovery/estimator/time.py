@@ -1,0 +1,251 @@
+"""Step-time estimator: 1F1B pipelines (Odyssey eq. 9-11), data rerouting (eq. 12-13), comms."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.model import (
+    Cluster,
+    ExecutionPlan,
+    ModelProfile,
+    Pipeline,
+    Stage,
+)
+from controlplane.recovery.restorer import SyncSegment, sync_rounds
+
+
+def symmetric_step_time(n_pp: int, n_m: int, t_f: float, t_b: float) -> float:
+    """Odyssey eq. 9: one 1F1B pipeline of ``n_pp`` equal stages running ``n_m`` micro-batches."""
+    return (n_pp + n_m - 1) * (t_f + t_b)
+
+
+def rerouting_step_time(
+    n_pp: int,
+    n_m: int,
+    n_dp: int,
+    t_f: float,
+    t_b: float,
+    failed_per_stage: Sequence[int],
+) -> float:
+    """Odyssey eq. 13 (eq. 12 for a single failure): failed replicas' work spread over survivors.
+
+    ``n_m`` is micro-batches per pipeline. Raises InfeasiblePlan when a stage lost every replica.
+    """
+    extra = 0.0
+    for stage, f in enumerate(failed_per_stage):
+        if f >= n_dp:
+            raise InfeasiblePlan(f"stage {stage} lost all {n_dp} replicas; rerouting impossible")
+        if f:
+            # Odyssey eq. 13: stage i's F_i·N_m micro-batches spread over its N_dp − F_i survivors
+            extra += n_m * f / (n_dp - f)
+    return (n_pp + n_m - 1 + extra) * (t_f + t_b)
+
+
+def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[bool, int]]:
+    """Non-interleaved 1F1B operation order of one stage as (is_forward, micro-batch) pairs."""
+    warmup = min(stages - 1 - stage, micro_batches)
+    order = [(True, m) for m in range(warmup)]
+    for k in range(micro_batches - warmup):
+        order.append((True, warmup + k))
+        order.append((False, k))
+    order.extend((False, m) for m in range(micro_batches - warmup, micro_batches))
+    return order
+
+
+def _encoded_order(stage: int, stages: int, micro_batches: int) -> list[int]:
+    """The 1F1B order with forward j as ``j`` and backward j as ``~j`` (a negative int)."""
+    return [m if forward else ~m for forward, m in one_f_one_b_order(stage, stages, micro_batches)]
+
+
+def pipeline_time(
+    t_f: Sequence[float],
+    t_b: Sequence[float],
+    micro_batches: int,
+    p2p_s: Sequence[float] | None = None,
+) -> float:
+    """Odyssey eq. 11: one pipeline's step by the start/end recurrence over the 1F1B order.
+
+    ``start(s, j) = max(end(s, j-1), end(f1(s), f2(j)) + p2p)``; ``p2p_s[s]`` is the send time
+    across the boundary between stage s and s+1. Each stage runs until its next operation waits
+    on a neighbour, so every operation is visited once: O(S·M).
+    """
+    stages = len(t_f)
+    if micro_batches <= 0 or stages == 0:
+        return 0.0
+    link = list(p2p_s) if p2p_s is not None else [0.0] * (stages - 1)
+    orders = [_encoded_order(s, stages, micro_batches) for s in range(stages)]
+    # End times; -1 marks an operation that has not run (every real end time is >= 0).
+    f_end = [[-1.0] * micro_batches for _ in range(stages)]
+    b_end = [[-1.0] * micro_batches for _ in range(stages)]
+    cursor = [0] * stages
+    clock = [0.0] * stages
+    todo = list(range(stages))
+    last = stages - 1
+    while todo:
+        s = todo.pop()
+        order, c, clk = orders[s], cursor[s], clock[s]
+        fwd_in = f_end[s - 1] if s > 0 else None
+        bwd_in = b_end[s + 1] if s < last else f_end[s]
+        delay_in = link[s - 1] if s > 0 else 0.0
+        delay_out = link[s] if s < last else 0.0
+        mine_f, mine_b, tf, tb = f_end[s], b_end[s], t_f[s], t_b[s]
+        start = c
+        while c < len(order):
+            op = order[c]
+            if op >= 0:
+                if fwd_in is not None:
+                    ready = fwd_in[op]
+                    if ready < 0:
+                        break
+                    clk = max(clk, ready + delay_in)
+                clk += tf
+                mine_f[op] = clk
+            else:
+                ready = bwd_in[~op]
+                if ready < 0:
+                    break
+                clk = max(clk, ready + delay_out if s < last else ready)
+                clk += tb
+                mine_b[~op] = clk
+            c += 1
+        if c > start:
+            cursor[s], clock[s] = c, clk
+            if s > 0:
+                todo.append(s - 1)
+            if s < last:
+                todo.append(s + 1)
+    return max(clock)
+
+
+@lru_cache(maxsize=65536)
+def cached_pipeline_time(
+    t_f: tuple[float, ...],
+    t_b: tuple[float, ...],
+    micro_batches: int,
+    p2p_s: tuple[float, ...],
+) -> float:
+    if len(set(t_f)) == 1 and len(set(t_b)) == 1 and not any(p2p_s):
+        return symmetric_step_time(len(t_f), micro_batches, t_f[0], t_b[0])
+    return pipeline_time(t_f, t_b, micro_batches, p2p_s)
+
+
+def stage_times(profile: ModelProfile, stages: Sequence[Stage]) -> tuple[tuple[float, ...], ...]:
+    """Per-stage forward and backward seconds of one micro-batch."""
+    return (
+        tuple(profile.fwd(*s.layers) for s in stages),
+        tuple(profile.bwd(*s.layers) for s in stages),
+    )
+
+
+def p2p_times(
+    profile: ModelProfile, cluster: Cluster, stages: Sequence[Stage], tp: int
+) -> tuple[float, ...]:
+    """Send time of one micro-batch's boundary tensor across each stage boundary."""
+    if cluster.communication_is_free:
+        return (0.0,) * max(len(stages) - 1, 0)
+    out = []
+    for a, b in itertools.pairwise(stages):
+        bandwidth = cluster.bandwidth_bytes_per_s(a.devices[0], b.devices[0])
+        out.append(profile.boundary_bytes_after(a.layers[1] - 1) / tp / bandwidth)
+    return tuple(out)
+
+
+def estimate_pipeline(
+    profile: ModelProfile, cluster: Cluster, pipeline: Pipeline, tp: int = 1
+) -> float:
+    t_f, t_b = stage_times(profile, pipeline.stages)
+    p2p = p2p_times(profile, cluster, pipeline.stages, tp)
+    return cached_pipeline_time(t_f, t_b, pipeline.micro_batches, p2p)
+
+
+def rerouted_extra_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
+    """Extra seconds from rerouted stages, generalising eq. 13 to any layer ranges.
+
+    The failed replica's micro-batches of a layer range are spread evenly over the live replicas of
+    the same range; as in eq. 13 the extra work adds to the step in full, stage by stage.
+    """
+    by_range: dict[tuple[int, int], list[int]] = {}
+    live_replicas: dict[tuple[int, int], int] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            if stage.rerouted:
+                by_range.setdefault(stage.layers, []).append(pipeline.micro_batches)
+            else:
+                live_replicas[stage.layers] = live_replicas.get(stage.layers, 0) + 1
+    extra = 0.0
+    for layers, lost in by_range.items():
+        survivors = live_replicas.get(layers, 0)
+        if survivors == 0:
+            raise InfeasiblePlan(f"layers {list(layers)} have no live replica to reroute to")
+        extra += sum(lost) / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
+    return extra
+
+
+def estimate_step_time(
+    profile: ModelProfile,
+    cluster: Cluster,
+    plan: ExecutionPlan,
+    *,
+    sync_s: float | None = None,
+) -> float:
+    """Odyssey eq. 10: the slowest pipeline, plus rerouted work and data-parallel gradient sync.
+
+    With free communication (no bandwidths) this is exactly eqs. 9-13. ``sync_s`` may be passed
+    when the caller has already computed the gradient synchronisation time.
+    """
+    compute = max(estimate_pipeline(profile, cluster, p, plan.tp) for p in plan.pipelines)
+    compute += rerouted_extra_time(profile, plan)
+    if sync_s is None:
+        sync_s = gradient_sync_time(profile, cluster, plan)
+    return compute + sync_s
+
+
+def ring_allreduce_s(nbytes: float, group_size: int, bandwidth_bytes_per_s: float) -> float:
+    """Ring all-reduce: every member sends and receives 2(g-1)/g of the buffer."""
+    if group_size <= 1 or math.isinf(bandwidth_bytes_per_s):
+        return 0.0
+    return 2 * (group_size - 1) / group_size * nbytes / bandwidth_bytes_per_s
+
+
+def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionPlan) -> float:
+    """Data-parallel all-reduce time, one round per colour of the restorer's group colouring.
+
+    In a plan whose pipelines share one layer split, every stage's replicas form one group and
+    all groups run in a single round; other plans go through the restorer's segments.
+    """
+    if cluster.communication_is_free or plan.dp <= 1:
+        return 0.0
+    if _same_split(plan):
+        rounds = [
+            [
+                SyncSegment(
+                    layers=stage.layers,
+                    groups=tuple(p.stages[s].devices for p in plan.pipelines),
+                )
+                for s, stage in enumerate(plan.pipelines[0].stages)
+            ]
+        ]
+    else:
+        rounds = sync_rounds(plan)
+    total = 0.0
+    for round_ in rounds:
+        slowest = 0.0
+        for segment in round_:
+            bandwidth = cluster.group_bandwidth_bytes_per_s(
+                [d for group in segment.groups for d in group]
+            )
+            nbytes = profile.grad_bytes(*segment.layers) / plan.tp
+            slowest = max(slowest, ring_allreduce_s(nbytes, len(segment.groups), bandwidth))
+        total += slowest
+    return total
+
+
+def _same_split(plan: ExecutionPlan) -> bool:
+    shape = [s.layers for s in plan.pipelines[0].stages]
+    return not plan.has_rerouted_stages and all(
+        [s.layers for s in p.stages] == shape for p in plan.pipelines
+    )

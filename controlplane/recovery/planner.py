@@ -1,0 +1,484 @@
+"""Planner: Odyssey Algorithm 1 as an exact branch-and-bound search, plus the reference version.
+
+A plan shape is a multiset of pipeline lengths (in tensor-parallel groups) with a batch split and
+a layer split per pipeline. The search visits shapes for DP widths near the old one:
+
+* ``distribute_batch`` is Algorithm 1's rule: shares by pipeline length, leftovers one by one in
+  list order (longest first), then refill of empty pipelines from the largest.
+* a pipeline of S stages with m micro-batches gets the best even layer split: every placement of
+  the remainder layers, memory-checked with eq. 14 and timed with eq. 11, memoised on (S, m).
+* the fast search enumerates partitions longest part first and prunes every branch whose lower
+  bound (the best time its longest pipelines can reach with their guaranteed micro-batches) cannot
+  beat the threshold; ``exhaustive`` enumerates every partition without pruning or memo, which is
+  the straightforward Algorithm 1 that tests and benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from itertools import combinations, islice
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator.memory import stage_peak_bytes
+from controlplane.recovery.estimator.time import cached_pipeline_time, pipeline_time
+from controlplane.recovery.model import (
+    Cluster,
+    ClusterState,
+    ExecutionPlan,
+    Family,
+    ModelProfile,
+    Pipeline,
+    Stage,
+    Training,
+)
+from controlplane.recovery.restorer import Placement, place
+
+Layers = tuple[tuple[int, int], ...]
+
+# Placements of the remainder layers tried per (S, m) in the fast search; C(S, r) explodes past
+# 16 stages (C(32, 16) ≈ 6·10^8), and lower-bound ordering finds the best one early.
+MAX_PLACEMENTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineShape:
+    layers: Layers
+    micro_batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanShape:
+    """A plan without devices; ``compute_time_s`` is eq. 10/11 without communication."""
+
+    pipelines: tuple[PipelineShape, ...]
+    compute_time_s: float
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(len(p.layers) for p in self.pipelines)
+
+    @property
+    def slots(self) -> list[tuple[int, int]]:
+        return [layers for p in self.pipelines for layers in p.layers]
+
+
+def distribute_batch(micro_batches: int, lengths: Sequence[int]) -> list[int] | None:
+    """Algorithm 1's batch split: proportional shares, leftovers in list order, refill empties."""
+    if micro_batches < len(lengths):
+        return None
+    total = sum(lengths)
+    shares = [micro_batches * length // total for length in lengths]
+    for k in range(micro_batches - sum(shares)):
+        shares[k % len(shares)] += 1
+    while 0 in shares:
+        shares[shares.index(max(shares))] -= 1
+        shares[shares.index(0)] += 1
+    return shares
+
+
+def _split_from_heavy(layers: int, stages: int, heavy: Sequence[int]) -> Layers:
+    base = layers // stages
+    extra = set(heavy)
+    bounds = []
+    first = 0
+    for s in range(stages):
+        end = first + base + (s in extra)
+        bounds.append((first, end))
+        first = end
+    return tuple(bounds)
+
+
+def even_splits(layers: int, stages: int, limit: int | None = None) -> Iterator[Layers]:
+    """Even splits of ``layers`` over ``stages``: base layers each, the remainder placed anywhere.
+
+    With ``limit``, at most that many placements: heavy-early ones first (eq. 11 favours them),
+    then heavy-late ones (eq. 14 favours them), then evenly spaced; duplicates skipped.
+    """
+    base, remainder = divmod(layers, stages)
+    if base == 0:
+        return
+    if limit is None or math.comb(stages, remainder) <= limit:
+        for heavy in combinations(range(stages), remainder):
+            yield _split_from_heavy(layers, stages, heavy)
+        return
+    seen: set[tuple[int, ...]] = set()
+    early = combinations(range(stages), remainder)
+    late = (
+        tuple(stages - 1 - s for s in reversed(c)) for c in combinations(range(stages), remainder)
+    )
+    spaced = [tuple(round(i * stages / remainder) for i in range(remainder))]
+    for source in (spaced, islice(early, limit // 2), islice(late, limit // 2)):
+        for heavy in source:
+            if heavy not in seen:
+                seen.add(heavy)
+                yield _split_from_heavy(layers, stages, heavy)
+
+
+class PipelineOracle:
+    """Best layer split and its time for a pipeline of S stages and m micro-batches."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        capacity_bytes: float,
+        tp: int,
+        *,
+        memo: bool = True,
+    ) -> None:
+        self.profile = profile
+        self.capacity = capacity_bytes
+        self.tp = tp
+        self.memo = memo
+        self._best: dict[tuple[int, int], tuple[float, Layers] | None] = {}
+
+    def fits(self, split: Layers, micro_batches: int) -> bool:
+        stages = len(split)
+        return all(
+            stage_peak_bytes(self.profile, layers, i, stages, micro_batches, self.tp)
+            <= self.capacity
+            for i, layers in enumerate(split)
+        )
+
+    def time(self, split: Layers, micro_batches: int) -> float:
+        t_f = tuple(self.profile.fwd(*layers) for layers in split)
+        t_b = tuple(self.profile.bwd(*layers) for layers in split)
+        if not self.memo:
+            return pipeline_time(t_f, t_b, micro_batches)
+        return cached_pipeline_time(t_f, t_b, micro_batches, (0.0,) * (len(split) - 1))
+
+    def best(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
+        """Least (time, split) over memory-feasible even splits; None when none fits."""
+        key = (stages, micro_batches)
+        if self.memo and key in self._best:
+            return self._best[key]
+        found = self._search(stages, micro_batches)
+        if self.memo:
+            self._best[key] = found
+        return found
+
+    def _search(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
+        limit = MAX_PLACEMENTS if self.memo else None
+        splits = even_splits(self.profile.layers, stages, limit)
+        feasible = [s for s in splits if self.fits(s, micro_batches)]
+        if not feasible:
+            return None
+        if self.memo and len(feasible) > 1:
+            # Visit splits by a lower bound on eq. 11 and stop once it cannot beat the best.
+            ordered = sorted((self._lower_bound(s, micro_batches), s) for s in feasible)
+            best: tuple[float, Layers] | None = None
+            for bound, split in ordered:
+                if best is not None and bound >= best[0]:
+                    break
+                candidate = (self.time(split, micro_batches), split)
+                if best is None or candidate < best:
+                    best = candidate
+            return best
+        return min((self.time(s, micro_batches), s) for s in feasible)
+
+    def quick_bound(self, stages: int, micro_batches: int) -> float:
+        """A bound on every even split's eq. 11 time that needs no split.
+
+        The busiest stage b runs m forward+backward passes after the others' share of micro-batch
+        0 (odyssey.md §5.1 item 3), so t ≥ W − w_b + m·w_b = W + (m − 1)·w_b, W being the work of
+        all layers. w_b is at least the average W/S and at least the lightest run of ceil(L/S)
+        consecutive layers, since an even split gives some stage that many. For equal layers
+        dividing evenly this is eq. 9 exactly.
+        """
+        layers = self.profile.layers
+        total = self.profile.fwd(0, layers) + self.profile.bwd(0, layers)
+        return total + (micro_batches - 1) * max(total / stages, self._lightest_run(stages))
+
+    @cache  # noqa: B019 - one oracle lives for one search; the cache dies with it
+    def _lightest_run(self, stages: int) -> float:
+        widest = -(-self.profile.layers // stages)
+        return min(
+            self.profile.fwd(i, i + widest) + self.profile.bwd(i, i + widest)
+            for i in range(self.profile.layers - widest + 1)
+        )
+
+    def _lower_bound(self, split: Layers, micro_batches: int) -> float:
+        # Stage b waits for micro-batch 0 to arrive, runs all m forward+backward passes serially,
+        # and the last gradient must travel back to stage 0 (odyssey.md §5.1 item 3).
+        t_f = [self.profile.fwd(*layers) for layers in split]
+        t_b = [self.profile.bwd(*layers) for layers in split]
+        before_f = before_b = 0.0
+        bound = 0.0
+        for f, b in zip(t_f, t_b, strict=True):
+            bound = max(bound, before_f + micro_batches * (f + b) + before_b)
+            before_f += f
+            before_b += b
+        return bound
+
+
+# Relative difference under which two step times count as equal.
+TIE_TOLERANCE = 1e-9
+
+# Branch-and-bound nodes the fast search may visit per call before it returns the best so far.
+DEFAULT_NODE_BUDGET = 50_000
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """Shapes fastest first; ``complete`` is False when the node budget cut the search short."""
+
+    shapes: list[PlanShape]
+    complete: bool
+    nodes: int
+
+
+@dataclass
+class _Search:
+    """Branch-and-bound over partitions of ``groups`` into pipelines, as counts per length.
+
+    Pipelines of equal length are interchangeable, so a partition is a count for every length,
+    chosen longest first. A length whose own bound exceeds the threshold gets count 0: each of
+    its pipelines runs at least its guaranteed micro-batches, and a pipeline's best time never
+    falls as micro-batches grow. Near-even partitions are scored first to seed the threshold.
+    """
+
+    oracle: PipelineOracle
+    micro_batches: int
+    groups: int
+    max_depth: int
+    exhaustive: bool
+    top_k: int
+    threshold: float
+    budget: int
+    found: list[tuple[float, tuple[int, ...], PlanShape]]  # heap of the top_k, worst on top
+    nodes: int = 0
+    # Once top_k shapes are in hand, only strictly faster ones can enter; ties go to the earlier.
+    strict: bool = False
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.exhaustive and self.nodes >= self.budget
+
+    def near_even(self, dp: int) -> None:
+        base, extra = divmod(self.groups, dp)
+        if base >= 1:
+            self._leaf({base + 1: extra, base: dp - extra})
+
+    def partitions(self, dp: int) -> None:
+        longest = min(self.max_depth, self.groups - dp + 1)
+        self._extend({}, longest, self.groups, dp)
+
+    def grids(self, dp: int) -> None:
+        for depth in range(1, min(self.max_depth, self.groups // dp) + 1):
+            self._leaf({depth: dp})
+
+    def _guaranteed(self, length: int) -> int:
+        """Micro-batches a pipeline of this length surely gets under Algorithm 1's rule."""
+        if self.micro_batches >= self.groups:
+            return self.micro_batches * length // self.groups  # no empty share: leftovers only add
+        return 1
+
+    def _pruned(self, length: int) -> bool:
+        if self.exhaustive:
+            return False
+        m = self._guaranteed(length)
+        if self._beyond(self.oracle.quick_bound(length, m)):
+            return True
+        best = self.oracle.best(length, m)
+        return best is None or self._beyond(best[0])
+
+    def _beyond(self, time: float) -> bool:
+        # Times summed in different orders differ in the last bits; such ties are ties.
+        if self.strict:
+            return time >= self.threshold * (1 - TIE_TOLERANCE)
+        return time > self.threshold * (1 + TIE_TOLERANCE)
+
+    def _leftover_pruned(self, counts: dict[int, int]) -> bool:
+        """Bound on the leftover micro-batches the longest pipelines must take.
+
+        With no empty share, leftovers number ``r = Σ_S c_S (N_m·S mod G) / G`` exactly, so the
+        lengths chosen so far force at least the ceiling of their part of that sum, and the first
+        r pipelines (the longest) each run one micro-batch more than their share.
+        """
+        if self.exhaustive or self.micro_batches < self.groups:
+            return False
+        forced = -(
+            -sum(k * (self.micro_batches * s % self.groups) for s, k in counts.items())
+            // self.groups
+        )
+        before = 0
+        for length in sorted(counts, reverse=True):
+            if before >= forced:
+                break
+            best = self.oracle.best(length, self._guaranteed(length) + 1)
+            if best is None or self._beyond(best[0]):
+                return True
+            before += counts[length]
+        return False
+
+    def _extend(self, counts: dict[int, int], length: int, remaining: int, count: int) -> None:
+        """Choose how many pipelines have ``length`` stages, then recurse to shorter ones."""
+        self.nodes += 1
+        if count == 0:
+            if remaining == 0:
+                self._leaf(counts)
+            return
+        if length == 0 or self.exhausted:
+            return
+        # Pipelines left after this length are 1..length-1 long; bound k so they can close.
+        shorter = length - 1
+        if shorter == 0:
+            low = high = count if remaining == count else -1
+        else:
+            low = max(0, remaining - count * shorter)
+            high = min(count, (remaining - count) // shorter)
+        if low > high:
+            return
+        if high > 0 and self._pruned(length):
+            if low > 0:
+                return
+            high = 0
+        # More pipelines of the longest length first: the near-even partitions come early.
+        for k in range(high, low - 1, -1):
+            if k:
+                counts[length] = k
+                if self._leftover_pruned(counts):
+                    counts.pop(length)
+                    continue
+            self._extend(counts, length - 1, remaining - k * length, count - k)
+            counts.pop(length, None)
+            if self.exhausted:
+                return
+
+    def _leaf(self, counts: dict[int, int]) -> None:
+        lengths = tuple(sorted((s for s, k in counts.items() for _ in range(k)), reverse=True))
+        shares = distribute_batch(self.micro_batches, lengths)
+        if shares is None:
+            return
+        # Pipelines of one length differ only by one micro-batch: score each (S, m) pair once.
+        step = 0.0
+        best_of: dict[tuple[int, int], tuple[float, Layers]] = {}
+        for length, m in set(zip(lengths, shares, strict=True)):
+            best = self.oracle.best(length, m)
+            if best is None:
+                return
+            best_of[(length, m)] = best
+            step = max(step, best[0])
+        if self._beyond(step):
+            return
+        pipelines = tuple(
+            PipelineShape(best_of[(length, m)][1], m)
+            for length, m in zip(lengths, shares, strict=True)
+        )
+        # Rank by time, then by the more even partition (reverse-sorted lengths compare smaller).
+        entry = (-step, tuple(-x for x in lengths), PlanShape(pipelines, step))
+        if any(e[1] == entry[1] for e in self.found):
+            return
+        if len(self.found) < self.top_k:
+            heapq.heappush(self.found, entry)
+        elif entry[:2] > self.found[0][:2]:
+            heapq.heapreplace(self.found, entry)
+        if len(self.found) >= self.top_k and not self.exhaustive:
+            self.threshold = min(self.threshold, -self.found[0][0])
+            self.strict = True
+
+
+def search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    *,
+    groups: int,
+    tp: int,
+    dp_options: Sequence[int],
+    symmetric_only: bool = False,
+    top_k: int = 8,
+    exhaustive: bool = False,
+    max_step_time_s: float = math.inf,
+    node_budget: int = DEFAULT_NODE_BUDGET,
+    memo: bool = True,
+) -> SearchResult:
+    """The ``top_k`` fastest plan shapes over ``groups`` TP groups whose time is at most
+    ``max_step_time_s``, fastest first.
+
+    Non-symmetric shapes use every group (Algorithm 1 re-plans over all survivors); symmetric
+    shapes (a PP × DP grid) may leave groups idle. Ties go to the more even partition.
+    ``exhaustive`` visits every partition (no pruning, no budget, ``top_k`` still applies).
+    """
+    oracle = PipelineOracle(profile, cluster.device_memory_bytes, tp, memo=memo)
+    state = _Search(
+        oracle=oracle,
+        micro_batches=training.micro_batches,
+        groups=groups,
+        max_depth=profile.layers,
+        exhaustive=exhaustive,
+        top_k=top_k,
+        threshold=max_step_time_s,
+        budget=node_budget,
+        found=[],
+    )
+    widths = sorted({d for d in dp_options if 1 <= d <= groups})
+    for dp in widths:
+        if symmetric_only:
+            state.grids(dp)
+        else:
+            state.near_even(dp)
+    if not symmetric_only:
+        for dp in widths:
+            state.partitions(dp)
+    ranked = sorted(state.found, key=lambda e: e[:2], reverse=True)
+    return SearchResult(
+        shapes=[shape for _, _, shape in ranked],
+        complete=exhaustive or not state.exhausted,
+        nodes=state.nodes,
+    )
+
+
+def usable_groups(state: ClusterState, *, include_spares: bool = False) -> list[tuple[int, ...]]:
+    """Healthy tensor-parallel groups: intact groups of the plan, then regrouped loose devices.
+
+    Healthy devices outside an intact group are regrouped only within a node (tensor parallelism
+    does not cross nodes); spares join when asked.
+    """
+    tp = state.plan.tp
+    intact = [g for g in dict.fromkeys(state.plan.own_groups()) if not state.failed & set(g)]
+    taken = {d for g in intact for d in g}
+    spares = set(state.cluster.spare_ids)
+    loose: dict[int, list[int]] = {}
+    for device in sorted(state.healthy - taken):
+        if device in spares and not include_spares:
+            continue
+        loose.setdefault(state.cluster.node_of(device), []).append(device)
+    regrouped = [
+        tuple(devices[i : i + tp])
+        for _, devices in sorted(loose.items())
+        for i in range(0, len(devices) - tp + 1, tp)
+    ]
+    return intact + regrouped
+
+
+def realize(
+    state: ClusterState,
+    shape: PlanShape,
+    groups: Sequence[tuple[int, ...]],
+    family: Family = Family.DYNAMIC,
+) -> tuple[ExecutionPlan, Placement]:
+    """Put device groups on a shape's stages so that the least state moves (Kuhn-Munkres)."""
+    placement = place(state.profile, state.cluster, state.plan, groups, shape.slots)
+    chosen = iter(placement.groups)
+    pipelines = tuple(
+        Pipeline(
+            stages=tuple(Stage(devices=next(chosen), layers=layers) for layers in p.layers),
+            micro_batches=p.micro_batches,
+        )
+        for p in shape.pipelines
+    )
+    return ExecutionPlan(pipelines=pipelines, family=family), placement
+
+
+def dp_window(old_dp: int, groups: int) -> list[int]:
+    """Algorithm 1's DP widths: the new width rarely differs from the old one by 2 or more.
+
+    Widths beyond the surviving groups are clipped to them (many failures at once).
+    """
+    if groups < 1:
+        raise InfeasiblePlan("no healthy device group left")
+    return sorted({min(max(d, 1), groups) for d in (old_dp - 1, old_dp, old_dp + 1)})

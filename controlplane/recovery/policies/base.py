@@ -1,0 +1,84 @@
+"""The policy interface and the scoring every policy shares: estimates, OOM filter, objective."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator import estimate_step_time, peak_memory
+from controlplane.recovery.model import (
+    Candidate,
+    ClusterState,
+    ExecutionPlan,
+    Failure,
+    TransitionCost,
+)
+from controlplane.recovery.objective import expected_time_to_failure_s, objective
+
+
+class Policy(Protocol):
+    """A recovery policy: proposes candidates for a failure, or explains why it cannot."""
+
+    name: str
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""
+        ...
+
+
+def score(
+    policy: str,
+    state: ClusterState,
+    plan: ExecutionPlan,
+    transition: TransitionCost,
+    *,
+    step_time_factor: float = 1.0,
+    extra_memory_bytes: float = 0.0,
+) -> Candidate:
+    """Estimate a plan and wrap it as a candidate: infeasible if it is over memory or broken.
+
+    ``step_time_factor`` and ``extra_memory_bytes`` let a policy charge costs its layout implies
+    beyond the plain plan (Bamboo's redundant forward pass, its shadow stage's state).
+    """
+    try:
+        step_time = estimate_step_time(state.profile, state.cluster, plan) * step_time_factor
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, str(exc))
+    peaks = {d: b + extra_memory_bytes for d, b in peak_memory(state.profile, plan).items()}
+    capacity = state.cluster.device_memory_bytes
+    over = [d for d, b in peaks.items() if b > capacity]
+    if over:
+        return Candidate(
+            policy=policy,
+            feasible=False,
+            reason=f"out of memory on devices {sorted(over)[:8]}: peak {max(peaks.values()):.3g} "
+            f"bytes > capacity {capacity:.3g}",
+            plan=plan,
+            est_step_time_s=step_time,
+            transition=transition,
+            peak_memory_bytes=peaks,
+        )
+    # t_state: the job is interrupted by a fault of any device its plan runs on
+    t_state = expected_time_to_failure_s(
+        state.cluster.failure_rate_per_device_hour, len(plan.devices())
+    )
+    return Candidate(
+        policy=policy,
+        feasible=True,
+        plan=plan,
+        est_step_time_s=step_time,
+        transition=transition,
+        peak_memory_bytes=peaks,
+        objective=objective(
+            global_batch=state.training.global_batch,
+            step_time_s=step_time,
+            transition_s=transition.total_s,
+            t_state_s=t_state,
+        ),
+    )
+
+
+def interrupted_work_s(state: ClusterState) -> float:
+    """Work lost to a fault under every policy: detection plus the interrupted step."""
+    old_step = estimate_step_time(state.profile, state.cluster, state.plan)
+    return state.assumptions.detection_s + old_step

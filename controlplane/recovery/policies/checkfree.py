@@ -1,0 +1,196 @@
+"""CheckFree and CheckFree+ (003): rebuild a lost stage on spares from its pipeline neighbours."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator import estimate_step_time
+from controlplane.recovery.model import (
+    Candidate,
+    ClusterState,
+    ExecutionPlan,
+    Failure,
+    ModelProfile,
+    TransitionCost,
+)
+from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.replacement import (
+    Copy,
+    StageKey,
+    broken_stages,
+    copy_time_s,
+    group_size,
+    replace_stages,
+)
+
+# CheckFree+ swaps S1 with S2 and S(L-1) with SL on half of the micro-batches (003 §3), which
+# needs two swap pairs that do not overlap.
+MIN_STAGES_PLUS = 4
+
+
+def live_shards(state: ClusterState) -> set[tuple[tuple[int, int], int]]:
+    """(layers, tensor-parallel rank) of every shard that still has a healthy copy."""
+    return {
+        (stage.layers, rank)
+        for _, _, stage in state.plan.stages()
+        if not stage.rerouted
+        for rank, device in enumerate(stage.devices)
+        if device not in state.failed
+    }
+
+
+def sources(position: int, depth: int, *, plus: bool) -> tuple[int, ...]:
+    """Stages of the same pipeline whose weights rebuild the stage at ``position``.
+
+    CheckFree averages both neighbours (§2). CheckFree+ copies an edge stage from its swap
+    partner, and the partner from the edge stage (§3, code); the rest average as in CheckFree.
+    """
+    if plus:
+        partners = {0: 1, 1: 0, depth - 2: depth - 1, depth - 1: depth - 2}
+        if position in partners:
+            return (partners[position],)
+    return (position - 1, position + 1)
+
+
+def same_layout(profile: ModelProfile, a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two layer ranges have the same parameter layout, judged by per-layer sizes.
+
+    Averaging and copying go tensor by tensor (§2), so the profile's per-layer parameter bytes
+    stand in for the names and shapes that Pitstop does not keep.
+    """
+    left, right = profile.m_p[a[0] : a[1]], profile.m_p[b[0] : b[1]]
+    return len(left) == len(right) and all(
+        math.isclose(x, y, rel_tol=1e-9) for x, y in zip(left, right, strict=True)
+    )
+
+
+def parameter_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
+    """Weights only: the rebuilt stage gets a fresh optimizer (§2, code), so no state is sent."""
+    return sum(profile.m_p[layers[0] : layers[1]])
+
+
+def infeasibility(state: ClusterState, broken: tuple[StageKey, ...], *, plus: bool) -> str | None:
+    """The first §6.2 rule the lost stages break, as ``code: reason``; None when all pass.
+
+    Rules run in §6.2's order, except that the variant's own structural rule (6 edge_stage, 11
+    too_few_stages) runs before 3 shape_mismatch, which needs the sources those rules define.
+    Rule 7 (holds_embedding) coincides with 6, because Pitstop's first and last stages hold the
+    embedding and LM head; rule 9 (partner_lost) with 2, because swap partners are adjacent; rules
+    8, 10 and 12 need job state Pitstop does not keep (the swap schedule is taken as warmed up).
+    """
+    plan = state.plan
+    live = live_shards(state)
+    tp = group_size(plan)
+    for p, s in broken:
+        stage = plan.pipelines[p].stages[s]
+        # §6.1: a stage is lost when some shard has no healthy data-parallel copy left
+        if stage.rerouted or all((stage.layers, rank) in live for rank in range(tp)):
+            return (
+                f"stage_has_replica: stage {s} still has a live data-parallel replica; "
+                "copy it from the peer instead (exact)"
+            )
+    for p, pipeline in enumerate(plan.pipelines):
+        lost = sorted(s for q, s in broken if q == p)
+        pairs = [(a, b) for a, b in pairwise(lost) if b == a + 1]
+        if plus and pipeline.depth > 2 and lost and lost[0] == 0 and lost[-1] == pipeline.depth - 1:
+            # CheckFree+ runs the stages as a ring through the embedding and LM head (§3)
+            pairs.append((lost[-1], lost[0]))
+        if pairs:
+            a, b = pairs[0]
+            return (
+                f"adjacent_stages_lost: stages {a} and {b} are adjacent and both lost; "
+                "no neighbour pair remains"
+            )
+    for p, s in broken:
+        depth = plan.pipelines[p].depth
+        if plus and depth < MIN_STAGES_PLUS:
+            return (
+                "too_few_stages: swap pairs (S1,S2) and (S(L-1),SL) overlap; "
+                f"need at least {MIN_STAGES_PLUS} transformer stages"
+            )
+        if not plus and s in (0, depth - 1):
+            return (
+                f"edge_stage: stage {s} is the first/last transformer stage; "
+                "CheckFree needs two live neighbours"
+            )
+    for p, s in broken:
+        stages = plan.pipelines[p].stages
+        for j in sources(s, len(stages), plus=plus):
+            if not same_layout(state.profile, stages[s].layers, stages[j].layers):
+                return (
+                    f"shape_mismatch: stage {s} and neighbour {j} have different parameter "
+                    "layouts; averaging/copy undefined"
+                )
+    return None
+
+
+def plan_checkfree(policy: str, state: ClusterState, *, plus: bool) -> Candidate:
+    """The same plan with every lost stage rebuilt on spares from its neighbours' weights."""
+    assumptions = state.assumptions
+    tp = group_size(state.plan)
+    # CheckFree+ keeps a copy of the embedding / LM head next to the edge stages (§3, §6.6);
+    # score() charges it on every device, an upper bound for the two partner stages it sits on.
+    extra_memory = assumptions.embedding_bytes / tp if plus else 0.0
+    broken = broken_stages(state)
+    if not broken:
+        # the fault hit a device the plan does not use: training never stopped
+        return score(policy, state, state.plan, TransitionCost(), extra_memory_bytes=extra_memory)
+    reason = infeasibility(state, broken, plus=plus)
+    if reason is not None:
+        return Candidate.infeasible(policy, reason)
+    try:
+        replacement = replace_stages(state, broken)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, f"no_spare: {exc}")
+
+    # §6.4: each replacement pulls from the neighbours in its own pipeline, rank by rank, all in
+    # parallel (its DP peers hold the same weights after the all-reduce)
+    plan: ExecutionPlan = state.plan
+    copies = []
+    for (p, s), group in replacement.groups.items():
+        stages = plan.pipelines[p].stages
+        for j in sources(s, len(stages), plus=plus):
+            nbytes = parameter_bytes(state.profile, stages[j].layers) / tp
+            for rank, target in enumerate(group):
+                copies.append(Copy(source=stages[j].devices[rank], target=target, nbytes=nbytes))
+    try:
+        transfer_s = copy_time_s(state.cluster, copies)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, f"link_missing: {exc}")
+    try:
+        step_s = estimate_step_time(state.profile, state.cluster, replacement.plan)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, str(exc))
+
+    # §6.4-6.5: a rebuilt stage costs k extra steps to converge, once per layer range however
+    # many data-parallel replicas were rebuilt with the same coefficients
+    rebuilt = len({plan.pipelines[p].stages[s].layers for p, s in broken})
+    k = assumptions.checkfree_plus_penalty_steps if plus else assumptions.checkfree_penalty_steps
+    transition = TransitionCost(
+        weight_transfer_s=transfer_s,
+        restart_s=assumptions.checkfree_restart_s,
+        # §2: no rollback, training resumes from the current batch; the interrupted step and
+        # detection are charged as for every policy, the convergence penalty on top (§6.4)
+        lost_work_s=interrupted_work_s(state) + k * step_s * rebuilt,
+    )
+    return score(policy, state, replacement.plan, transition, extra_memory_bytes=extra_memory)
+
+
+class CheckFreePolicy:
+    """Rebuild a lost intermediate stage as the gradient-weighted average of its neighbours."""
+
+    name = "checkfree"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        return [plan_checkfree(self.name, state, plus=False)]
+
+
+class CheckFreePlusPolicy:
+    """CheckFree, with edge stages copied from their out-of-order swap partners."""
+
+    name = "checkfree_plus"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        return [plan_checkfree(self.name, state, plus=True)]

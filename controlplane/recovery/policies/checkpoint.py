@@ -1,0 +1,86 @@
+"""Checkpoint-and-restart: the same plan on spare groups, every device reloading the checkpoint."""
+
+from __future__ import annotations
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator import estimate_step_time
+from controlplane.recovery.model import (
+    Assumptions,
+    Candidate,
+    ClusterState,
+    ExecutionPlan,
+    Failure,
+    ModelProfile,
+    TransitionCost,
+)
+from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.replacement import broken_stages, group_size, replace_stages
+
+
+def full_restart_s(assumptions: Assumptions, devices: int) -> float:
+    """Seconds to recreate every container and rebuild the communication group of N devices.
+
+    FlashRecovery §3, §4 Table II, §6 baseline: the group is rebuilt serially and every container
+    starts at once, so the restart grows with N: max(60, 0.244·N − 198) s.
+    """
+    return max(
+        assumptions.full_restart_min_s,
+        assumptions.full_restart_s_per_device * devices + assumptions.full_restart_offset_s,
+    )
+
+
+def checkpoint_load_s(
+    profile: ModelProfile, plan: ExecutionPlan, assumptions: Assumptions
+) -> float:
+    """Seconds until the slowest device has read its stage's share of the checkpoint.
+
+    Every device reads its own shard (weights + optimizer state, m_p + m_o) at the storage
+    bandwidth in parallel; ``checkpoint_load_s`` overrides the estimate when measured.
+    """
+    if assumptions.checkpoint_load_s is not None:
+        return assumptions.checkpoint_load_s
+    tp = group_size(plan)
+    largest = max(profile.state_bytes(*stage.layers) / tp for _, _, stage in plan.stages())
+    return largest / (assumptions.storage_gbps * 1e9 / 8)
+
+
+def rollback_steps(assumptions: Assumptions) -> float:
+    """Completed steps thrown away on top of the interrupted one, on average.
+
+    With faults uniform over a checkpoint interval of n steps, 0..n−1 completed steps are lost,
+    (n − 1)/2 on average; with the interrupted step that every policy pays, (n + 1)/2 in all
+    (FlashRecovery §1, §6: "redo t_ckpt/2").
+    """
+    return max(assumptions.checkpoint_interval_steps - 1, 0) / 2
+
+
+def plan_checkpoint(policy: str, state: ClusterState) -> Candidate:
+    """Restart the whole job on the same plan, broken groups swapped for spares."""
+    broken = broken_stages(state)
+    if not broken:
+        # the fault hit a device the plan does not use: training never stopped
+        return score(policy, state, state.plan, TransitionCost())
+    try:
+        replacement = replace_stages(state, broken)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(
+            policy, f"no_spare_device: {exc}; the job would wait for repair"
+        )
+    assumptions = state.assumptions
+    # the rolled-back steps were run on the current plan
+    step_s = estimate_step_time(state.profile, state.cluster, state.plan)
+    transition = TransitionCost(
+        weight_transfer_s=checkpoint_load_s(state.profile, replacement.plan, assumptions),
+        restart_s=full_restart_s(assumptions, len(replacement.plan.devices())),
+        lost_work_s=interrupted_work_s(state) + rollback_steps(assumptions) * step_s,
+    )
+    return score(policy, state, replacement.plan, transition)
+
+
+class CheckpointPolicy:
+    """Roll back to the last checkpoint and restart the same plan on spare devices."""
+
+    name = "checkpoint"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        return [plan_checkpoint(self.name, state)]

@@ -1,0 +1,121 @@
+"""FlashRecovery (002): spare groups in place, state copied from a live data-parallel replica."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.model import (
+    Candidate,
+    ClusterState,
+    Failure,
+    FailureKind,
+    TransitionCost,
+)
+from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.replacement import (
+    Copy,
+    broken_stages,
+    copy_time_s,
+    group_size,
+    replace_stages,
+)
+
+# a tensor-parallel shard of a layer range: (layers, rank within the group)
+Shard = tuple[tuple[int, int], int]
+
+
+def shard_holders(state: ClusterState) -> dict[Shard, list[int]]:
+    """Healthy devices holding each shard of the current plan.
+
+    Survivors of a broken group count: FlashRecovery §3 stops and resets them in place, and their
+    weights survive the reset because they are the source of the restore. Rerouted stages hold
+    nothing of their own.
+    """
+    holders: dict[Shard, list[int]] = {}
+    for _, _, stage in state.plan.stages():
+        if stage.rerouted:
+            continue
+        for rank, device in enumerate(stage.devices):
+            if device not in state.failed:
+                holders.setdefault((stage.layers, rank), []).append(device)
+    return holders
+
+
+def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Candidate:
+    """The same plan on spare groups, each new device filled from a replica of its shard.
+
+    Checks run in FlashRecovery §6's order (runtime support is assumed of every Pitstop job):
+    spares, then a live replica of every lost shard, then whether the replicas can be trusted.
+    """
+    broken = broken_stages(state)
+    if not broken:
+        # the fault hit a device the plan does not use: training never stopped
+        return score(policy, state, state.plan, TransitionCost())
+    try:
+        replacement = replace_stages(state, broken)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, f"no_spare_device: {exc}")
+    plan = state.plan
+    tp = group_size(plan)
+    holders = shard_holders(state)
+    for p, s in broken:
+        layers = plan.pipelines[p].stages[s].layers
+        for rank in range(tp):
+            if not holders.get((layers, rank)):
+                return Candidate.infeasible(
+                    policy,
+                    f"no_dp_replica: layers {list(layers)} (stage {s} of pipeline {p}) have no "
+                    f"live data-parallel replica of tensor-parallel rank {rank}; "
+                    "restore from a checkpoint",
+                )
+    if failure.kind is FailureKind.NAN:
+        # FlashRecovery §5: a NaN may already have reached every replica through the gradient
+        # all-reduce, and copying it would restore the fault.
+        return Candidate.infeasible(
+            policy,
+            "untrusted_state: a NaN fault may have spread to the data-parallel replicas; "
+            "restore from a checkpoint",
+        )
+
+    # FlashRecovery §3: each replaced rank pulls from a peer with the same (stage, TP rank);
+    # spread the copies over the holders, then prefer the fastest link and the lower id.
+    cluster = state.cluster
+    sends: Counter[int] = Counter()
+    copies = []
+    for (p, s), group in replacement.groups.items():
+        layers = plan.pipelines[p].stages[s].layers
+        nbytes = state.profile.state_bytes(*layers) / tp
+        for rank, target in enumerate(group):
+            source = min(
+                holders[(layers, rank)],
+                key=lambda d: (sends[d], -cluster.bandwidth_bytes_per_s(d, target), d),
+            )
+            sends[source] += 1
+            copies.append(Copy(source=source, target=target, nbytes=nbytes))
+    try:
+        restore_s = copy_time_s(cluster, copies)
+    except InfeasiblePlan as exc:
+        return Candidate.infeasible(policy, f"link_missing: {exc}")
+    assumptions = state.assumptions
+    transition = TransitionCost(
+        # FlashRecovery §6: T_restore = max_r bytes_state(r)·k / bw(src(r) → r) + ~1 s setup,
+        # bytes_state = weights + optimizer state (m_p + m_o; gradients are not copied)
+        weight_transfer_s=restore_s + assumptions.flashrecovery_restore_setup_s,
+        # FlashRecovery §3, §6: survivors reset in place, only the new ranks start, the ranktable
+        # is read from a shared file: the restart does not grow with the number of devices
+        restart_s=assumptions.flashrecovery_restart_s,
+        # FlashRecovery §3: at most the interrupted step is redone (k0 = 0, no checkpoint);
+        # detection and that step are charged as for every policy
+        lost_work_s=interrupted_work_s(state),
+    )
+    return score(policy, state, replacement.plan, transition)
+
+
+class FlashRecoveryPolicy:
+    """Swap failed groups for spares in place and restore them from a live replica in one step."""
+
+    name = "flashrecovery"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        return [plan_flashrecovery(self.name, state, failure)]

@@ -1,0 +1,525 @@
+"""Oobleck (SOSP '23): repair damaged pipelines from pipeline templates, copying lost layers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator.time import p2p_times
+from controlplane.recovery.model import (
+    Candidate,
+    Cluster,
+    ClusterState,
+    ExecutionPlan,
+    Failure,
+    Family,
+    ModelProfile,
+    Pipeline,
+    Stage,
+    Training,
+    TransitionCost,
+)
+from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.replacement import group_size
+from controlplane.recovery.restorer import (
+    Placement,
+    held_ranges,
+    missing_bytes,
+    place_in_device_order,
+)
+from controlplane.recovery.templates import (
+    PipelineTemplate,
+    TemplateSet,
+    best_instantiation,
+    build_templates,
+    water_fill,
+)
+
+Group = tuple[int, ...]
+LayerRange = tuple[int, int]
+NodeList = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """Oobleck's node (the unit of failure) in devices, and its stages: one TP group each.
+
+    Oobleck splits a node's GPUs among stages and runs FSDP inside a stage; a Pitstop stage runs
+    on one tensor-parallel group at the profile's TP degree, so a template has one stage per
+    group. A TP group wider than a node makes a node of the tp/M machines that fail together.
+    """
+
+    tp: int
+    node_devices: int
+    stages_per_node: int
+
+    def node_of(self, device: int) -> int:
+        return device // self.node_devices
+
+    def devices(self, node: int) -> range:
+        return range(node * self.node_devices, (node + 1) * self.node_devices)
+
+    def whole_nodes(self, devices: int) -> int:
+        return devices // self.node_devices
+
+
+def node_layout(cluster: Cluster, tp: int) -> NodeLayout | str:
+    """The layout for a cluster and TP degree, or why Oobleck's node model does not fit it."""
+    per_node = cluster.devices_per_node
+    if tp <= per_node:
+        return NodeLayout(tp=tp, node_devices=per_node, stages_per_node=per_node // tp)
+    if tp % per_node == 0:
+        return NodeLayout(tp=tp, node_devices=tp, stages_per_node=1)
+    return (
+        f"oobleck_layout: a tensor-parallel group of {tp} devices neither fits in nor tiles "
+        f"nodes of {per_node}; Oobleck's stages never span part of a node"
+    )
+
+
+def node_groups(layout: NodeLayout, node: int, old_plan: ExecutionPlan | None) -> list[Group]:
+    """The node's TP groups: the old plan's intact groups on it first, the rest in device order."""
+    devices = layout.devices(node)
+    intact = sorted(g for g in held_ranges(old_plan) if set(g) <= set(devices))
+    taken = {d for g in intact for d in g}
+    loose = [d for d in devices if d not in taken]
+    tp = layout.tp
+    fresh = [tuple(loose[i : i + tp]) for i in range(0, len(loose) - tp + 1, tp)]
+    return sorted(intact + fresh)[: layout.stages_per_node]
+
+
+def repair_pipelines(
+    pipelines: Sequence[Sequence[int]], lost: Collection[int], min_nodes: int
+) -> list[NodeList]:
+    """Oobleck §5.1 steps 1-3 on the pipelines' node lists, as the `develop` engine runs them.
+
+    1. A pipeline keeping ≥ n0 nodes is reinstantiated with them.
+    2. A smaller one borrows nodes, one at a time, from the largest pipeline (ties: the later),
+       which gives its last node but never drops below n0.
+    3. When none can lend, the small ones merge in order, with the first full pipeline if still
+       short (Appendix B: the merged pipeline has n0 … 2n0−1 nodes).
+    Returns node lists sorted, ordered by (size, first node). f is not enforced here (§8 item 5).
+    Raises InfeasiblePlan when even merging cannot reach n0 nodes.
+    """
+    ranks = [[n for n in p if n not in lost] for p in pipelines]
+    result: list[list[int]] = []
+    need_merge = False
+    for mine in ranks:
+        if not mine:
+            continue
+        while len(mine) < min_nodes:
+            lender = _largest(ranks, min_nodes)
+            if lender is None:
+                need_merge = True
+                break
+            while len(lender) > min_nodes and len(mine) < min_nodes:
+                mine.append(lender.pop())
+        # the same list object: a pipeline that lends later shrinks here too, as in `develop`
+        result.append(mine)
+    if need_merge:
+        result = _merge(result, min_nodes)
+    out = [tuple(sorted(r)) for r in result]
+    return sorted(out, key=lambda r: (len(r), r[0]))
+
+
+def _largest(pipelines: list[list[int]], min_nodes: int) -> list[int] | None:
+    biggest: list[int] | None = None
+    for p in pipelines:
+        if biggest is None or len(p) >= len(biggest):
+            biggest = p
+    return biggest if biggest is not None and len(biggest) > min_nodes else None
+
+
+def _merge(pipelines: list[list[int]], min_nodes: int) -> list[list[int]]:
+    small = [p for p in pipelines if len(p) < min_nodes]
+    full = [p for p in pipelines if len(p) >= min_nodes]
+    while small:
+        merged = small.pop(0)
+        while len(merged) < min_nodes:
+            if small:
+                merged.extend(small.pop(0))
+            elif full:
+                merged.extend(full.pop(0))
+            else:
+                raise InfeasiblePlan(f"{len(merged)} nodes left cannot form a pipeline")
+        full.append(merged)
+    return full
+
+
+@dataclass(frozen=True, slots=True)
+class _Draft:
+    """A pipeline before its batch share: its nodes and its stages."""
+
+    nodes: NodeList
+    stages: tuple[Stage, ...]
+
+
+def _assign_nodes(
+    profile: ModelProfile,
+    layout: NodeLayout,
+    old_plan: ExecutionPlan | None,
+    nodes: Sequence[int],
+    templates: Sequence[PipelineTemplate],
+) -> list[_Draft]:
+    """Put ``nodes`` on the templates' node positions so that the fewest state bytes move.
+
+    Kuhn-Munkres over (node, position); a position is a node's worth of consecutive stages and
+    its cost is the best assignment of the node's groups to them (oobleck.md §7: layers stay
+    where they are). A node never splits across pipelines, so one node lost hits one pipeline.
+    """
+    per_node = layout.stages_per_node
+    held = held_ranges(old_plan)
+    groups = {n: node_groups(layout, n, old_plan) for n in nodes}
+    positions = [
+        (p, i, t.layers[i * per_node : (i + 1) * per_node])
+        for p, t in enumerate(templates)
+        for i in range(t.nodes)
+    ]
+    if len(positions) != len(nodes):
+        raise InfeasiblePlan(f"templates need {len(positions)} nodes, got {len(nodes)}")
+    memo: dict[
+        tuple[tuple[LayerRange | None, ...], tuple[LayerRange, ...]], tuple[float, list[int]]
+    ]
+    memo = {}
+
+    def cost(node: int, slots: tuple[LayerRange, ...]) -> tuple[float, list[int]]:
+        key = (tuple(held.get(g) for g in groups[node]), slots)
+        if key not in memo:
+            matrix = np.array(
+                [[missing_bytes(profile, h, s) for s in slots] for h in key[0]], dtype=float
+            )
+            rows, cols = linear_sum_assignment(matrix)
+            order = [0] * len(slots)
+            for r, c in zip(rows, cols, strict=True):
+                order[int(c)] = int(r)
+            memo[key] = (float(matrix[rows, cols].sum()), order)
+        return memo[key]
+
+    if old_plan is None:
+        # nothing to keep in place: nodes in order, as Oobleck's rank grid lays them out
+        rows, cols = np.arange(len(nodes)), np.arange(len(nodes))
+    else:
+        matrix = np.array([[cost(n, slots)[0] for _, _, slots in positions] for n in nodes])
+        rows, cols = linear_sum_assignment(matrix)
+    stages: list[list[Stage | None]] = [[None] * t.stages for t in templates]
+    members: list[list[tuple[int, int]]] = [[] for _ in templates]
+    for r, c in zip(rows, cols, strict=True):
+        node = nodes[int(r)]
+        p, i, slots = positions[int(c)]
+        members[p].append((i, node))
+        for j, (slot, g) in enumerate(zip(slots, cost(node, slots)[1], strict=True)):
+            stages[p][i * per_node + j] = Stage(devices=groups[node][g], layers=slot)
+    return [
+        _Draft(
+            nodes=tuple(n for _, n in sorted(members[p])),
+            stages=tuple(s for s in stages[p] if s is not None),
+        )
+        for p in range(len(templates))
+    ]
+
+
+def _finish(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    old_plan: ExecutionPlan | None,
+    drafts: Sequence[_Draft],
+) -> tuple[ExecutionPlan, Placement] | str:
+    """Share the batch by water-filling and cost the weight copy (oobleck.md §7)."""
+    drafts = sorted(drafts, key=lambda d: (len(d.nodes), d.nodes))
+    fill, period = [], []
+    for d in drafts:
+        work = [profile.fwd(*s.layers) + profile.bwd(*s.layers) for s in d.stages]
+        # 1F1B fill and drain: every stage once, every boundary once each way
+        tp = len(d.stages[0].devices)
+        fill.append(sum(work) + 2 * sum(p2p_times(profile, cluster, d.stages, tp)))
+        period.append(max(work))
+    shares = water_fill(training.micro_batches, fill, period)
+    if shares is None:
+        return (
+            f"batch_too_small: {training.micro_batches} micro-batches cannot cover "
+            f"{len(drafts)} pipelines; nearest distributable global batch "
+            f"{len(drafts) * training.micro_batch}"
+        )
+    plan = ExecutionPlan(
+        pipelines=tuple(
+            Pipeline(stages=d.stages, micro_batches=m) for d, m in zip(drafts, shares, strict=True)
+        ),
+        family=Family.DYNAMIC,
+    )
+    # Copy what each group lacks from surviving holders (restorer: intra-node first, least
+    # loaded sender); the groups are fixed, so evaluate this exact mapping.
+    pairs = sorted((s.devices, s.layers) for _, _, s in plan.stages())
+    placement = place_in_device_order(
+        profile, cluster, old_plan, [g for g, _ in pairs], [r for _, r in pairs]
+    )
+    if old_plan is not None and placement.unsourced_layers:
+        return _layer_lost(placement.unsourced_layers)
+    return plan, placement
+
+
+def _layer_lost(ranges: Sequence[LayerRange]) -> str:
+    listed = ", ".join(f"[{a}, {b})" for a, b in ranges)
+    return (
+        f"layer_lost: no surviving replica of layers {listed}; state lost (>f failures on one "
+        "stage)"
+    )
+
+
+def _template_model(profile: ModelProfile, ts: TemplateSet) -> tuple[dict[int, float], ...]:
+    fill, period = {}, {}
+    for t in ts.templates:
+        work = [profile.fwd(*r) + profile.bwd(*r) for r in t.layers]
+        fill[t.nodes], period[t.nodes] = sum(work), max(work)
+    return fill, period
+
+
+def reinstantiate(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    layout: NodeLayout,
+    templates: TemplateSet,
+    nodes: Sequence[int],
+    f: int,
+    old_plan: ExecutionPlan | None = None,
+) -> tuple[ExecutionPlan, Placement] | str:
+    """Oobleck §4.2: the best set of ≥ f+1 template pipelines over ``nodes``, placed so that the
+    fewest bytes move from ``old_plan``; a reason string when none exists."""
+    fill, period = _template_model(profile, templates)
+    chosen = best_instantiation(fill, period, len(nodes), f, training.micro_batches)
+    if chosen is None:
+        if training.micro_batches < f + 1:
+            return (
+                f"batch_too_small: {training.micro_batches} micro-batches cannot cover "
+                f"{f + 1} pipelines; nearest distributable global batch "
+                f"{(f + 1) * training.micro_batch}"
+            )
+        return (
+            f"no_template: no set of ≥ {f + 1} pipeline templates (sizes "
+            f"{list(templates.sizes)}) uses the {len(nodes)} healthy nodes"
+        )
+    sizes, _ = chosen
+    picked = [templates.get(n) for n in sizes]
+    drafts = _assign_nodes(
+        profile, layout, old_plan, sorted(nodes), [t for t in picked if t is not None]
+    )
+    return _finish(profile, cluster, training, old_plan, drafts)
+
+
+def instantiate(
+    profile: ModelProfile, cluster: Cluster, training: Training, *, f: int = 1, tp: int = 1
+) -> ExecutionPlan:
+    """The plan Oobleck starts a job with: the best template pipelines over every whole node.
+
+    Raises InfeasiblePlan with the reason when the cluster cannot hold f + 1 pipelines.
+    """
+    layout = node_layout(cluster, tp)
+    if isinstance(layout, str):
+        raise InfeasiblePlan(layout)
+    nodes = layout.whole_nodes(cluster.devices)
+    templates = build_templates(
+        profile, nodes, layout.stages_per_node, f, tp, cluster.device_memory_bytes
+    )
+    if templates is None:
+        raise InfeasiblePlan(_template_oom(profile, layout))
+    found = reinstantiate(profile, cluster, training, layout, templates, range(nodes), f)
+    if isinstance(found, str):
+        raise InfeasiblePlan(found)
+    return found[0]
+
+
+def _template_oom(profile: ModelProfile, layout: NodeLayout) -> str:
+    return (
+        f"template_oom: no template with 1..{profile.layers // layout.stages_per_node} nodes "
+        "fits device memory"
+    )
+
+
+def _plan_nodes(plan: ExecutionPlan, layout: NodeLayout) -> list[NodeList]:
+    """Each pipeline's nodes in stage order (rerouted stages borrow other pipelines' groups)."""
+    return [
+        tuple(
+            dict.fromkeys(layout.node_of(d) for s in p.stages if not s.rerouted for d in s.devices)
+        )
+        for p in plan.pipelines
+    ]
+
+
+class OobleckPolicy:
+    """Oobleck: reinstantiate, borrow or merge the damaged pipelines from templates (§5)."""
+
+    name: ClassVar[str] = "oobleck"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        started = time.perf_counter()
+        profile, cluster, plan = state.profile, state.cluster, state.plan
+        f = state.assumptions.oobleck_f
+        layout = node_layout(cluster, group_size(plan))
+        if isinstance(layout, str):
+            return [Candidate.infeasible(self.name, layout)]
+        templates = build_templates(
+            profile,
+            layout.whole_nodes(cluster.devices),
+            layout.stages_per_node,
+            f,
+            layout.tp,
+            cluster.device_memory_bytes,
+        )
+        if templates is None:
+            return [Candidate.infeasible(self.name, _template_oom(profile, layout))]
+
+        # §8 item 10: a node with any failed device is lost as a whole
+        lost = {layout.node_of(d) for d in state.failed}
+        pipelines = _plan_nodes(plan, layout)
+        damaged = [
+            bool(lost.intersection(nodes)) or any(s.rerouted for s in p.stages)
+            for nodes, p in zip(pipelines, plan.pipelines, strict=True)
+        ]
+        if not any(damaged):
+            # the fault hit no node of the plan: training never stopped
+            return [score(self.name, state, plan, TransitionCost())]
+        in_plan = {n for nodes in pipelines for n in nodes}
+        kept = sorted(in_plan - lost)
+        joiners = [
+            n
+            for n in range(layout.whole_nodes(cluster.total_devices))
+            if n not in in_plan and n not in lost
+        ]
+        healthy = len(kept) + len(joiners)
+        if healthy < (f + 1) * templates.n0:
+            return [
+                Candidate.infeasible(
+                    self.name,
+                    f"below_min_nodes: {healthy} healthy nodes < (f+1)·n0 = "
+                    f"{(f + 1) * templates.n0}; Oobleck saves progress and stops until a "
+                    "checkpoint restart",
+                )
+            ]
+        missing = _unheld_layers(profile.layers, plan, layout, set(kept))
+        if missing:
+            return [Candidate.infeasible(self.name, _layer_lost(missing))]
+
+        notes = []
+        hit = {layout.node_of(d) for d in failure.devices}
+        if len(hit) > f:
+            notes.append(
+                f"beyond_f: {len(hit)} simultaneous node failures > f={f}; recovered because "
+                "every layer kept a replica"
+            )
+        if layout.node_devices > 1 and any(set(layout.devices(n)) - state.failed for n in lost):
+            notes.append("partial node loss: Oobleck drops the whole node (oobleck.md §8 item 10)")
+
+        candidates: list[Candidate] = []
+        repaired = self._repair(state, layout, templates, pipelines, damaged, lost)
+        if isinstance(repaired, tuple):
+            candidates.append(self._score(state, started, *repaired, notes=notes))
+        if isinstance(repaired, str) or state.assumptions.oobleck_replan:
+            why = [] if not isinstance(repaired, str) else [f"re-instantiated: {repaired}"]
+            again = reinstantiate(
+                profile, cluster, state.training, layout, templates, kept + joiners, f, plan
+            )
+            if isinstance(again, str):
+                if isinstance(repaired, str):
+                    again = f"{again} (local repair: {repaired})"
+                candidates.append(Candidate.infeasible(self.name, again))
+            else:
+                candidates.append(self._score(state, started, *again, notes=[*why, *notes]))
+        return candidates
+
+    def _repair(
+        self,
+        state: ClusterState,
+        layout: NodeLayout,
+        templates: TemplateSet,
+        pipelines: list[NodeList],
+        damaged: list[bool],
+        lost: set[int],
+    ) -> tuple[ExecutionPlan, Placement] | str:
+        """§5.1 on the current pipelines; a reason string when the paper's repair falls short."""
+        f = state.assumptions.oobleck_f
+        flat = [n for nodes in pipelines for n in nodes]
+        if len(flat) != len(set(flat)):
+            return "pipelines of the current plan share nodes; Oobleck repairs whole-node pipelines"
+        try:
+            repaired = repair_pipelines(pipelines, lost, templates.n0)
+        except InfeasiblePlan as exc:
+            return f"merge impossible: {exc}"
+        if len(repaired) < f + 1:
+            # §8 item 5: borrowing and merging never split a big pipeline
+            return f"local repair leaves {len(repaired)} pipelines < f+1 = {f + 1}"
+        unchanged = {
+            frozenset(nodes): p
+            for nodes, p, hurt in zip(pipelines, state.plan.pipelines, damaged, strict=True)
+            if not hurt
+        }
+        drafts = []
+        for index, nodes in enumerate(repaired):
+            same = unchanged.get(frozenset(nodes))
+            if same is not None:
+                # treated as it is: the scenario's pipelines need not come from templates
+                pass
+            template = templates.get(len(nodes))
+            if template is None:
+                return (
+                    f"no_template: no pipeline template fits the {len(nodes)} nodes of "
+                    f"pipeline {index}"
+                )
+            drafts.extend(_assign_nodes(state.profile, layout, state.plan, nodes, [template]))
+        return _finish(state.profile, state.cluster, state.training, state.plan, drafts)
+
+    def _score(
+        self,
+        state: ClusterState,
+        started: float,
+        plan: ExecutionPlan,
+        placement: Placement,
+        *,
+        notes: Sequence[str],
+    ) -> Candidate:
+        transition = TransitionCost(
+            # repair and batch split run at fault time; templates were built at job start
+            search_s=time.perf_counter() - started,
+            weight_transfer_s=placement.transfer_s,
+            restart_s=state.assumptions.oobleck_regroup_s,
+            # §7.4.2: at most the interrupted iteration is lost
+            lost_work_s=interrupted_work_s(state),
+        )
+        candidate = score(self.name, state, plan, transition)
+        text = "; ".join([*notes, "batch split by water-filling, not eq. 6 (oobleck.md §7)"])
+        return replace(candidate, reason=text) if candidate.feasible else candidate
+
+
+def _unheld_layers(
+    layers: int, plan: ExecutionPlan, layout: NodeLayout, kept: set[int]
+) -> list[LayerRange]:
+    """Layer ranges no group on a kept node holds: their state is gone (§4 step 6)."""
+    covered = sorted(
+        r
+        for g, r in held_ranges(plan).items()
+        if len({layout.node_of(d) for d in g}) == 1 and layout.node_of(g[0]) in kept
+    )
+    gaps: list[LayerRange] = []
+    reach = 0
+    for first, end in covered:
+        if first > reach:
+            gaps.append((reach, first))
+        reach = max(reach, end)
+    if reach < layers:
+        gaps.append((reach, layers))
+    return gaps
+
+
+__all__ = [
+    "NodeLayout",
+    "OobleckPolicy",
+    "instantiate",
+    "node_layout",
+    "reinstantiate",
+    "repair_pipelines",
+]

@@ -1,0 +1,113 @@
+"""Varuna as Oobleck compares it: checkpoint, restart and re-plan the best PP × DP grid."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from controlplane.recovery.estimator import estimate_step_time
+from controlplane.recovery.model import (
+    Assumptions,
+    Candidate,
+    ClusterState,
+    Failure,
+    ModelProfile,
+    TransitionCost,
+)
+from controlplane.recovery.planner import realize, search, usable_groups
+from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.replacement import broken_stages
+
+
+def checkpoint_bytes(profile: ModelProfile) -> float:
+    """One copy of the model's parameters and optimizer state (m_p + m_o of every layer)."""
+    return profile.state_bytes(0, profile.layers)
+
+
+def _storage_bytes_per_s(assumptions: Assumptions) -> float:
+    return assumptions.storage_gbps * 1e9 / 8
+
+
+def checkpoint_write_s(profile: ModelProfile, assumptions: Assumptions) -> float:
+    """Seconds one blocking checkpoint stalls training (artifact: 11-120 s by model)."""
+    if assumptions.varuna_checkpoint_s is not None:
+        return assumptions.varuna_checkpoint_s
+    return checkpoint_bytes(profile) / _storage_bytes_per_s(assumptions)
+
+
+def checkpoint_overhead(step_time_s: float, checkpoint_s: float, interval_steps: int) -> float:
+    """oobleck.md §5: share of failure-free wall time spent checkpointing, c / (k·t_step + c).
+
+    Not part of a candidate's step time; the simulator charges it while Varuna runs.
+    """
+    busy = interval_steps * step_time_s + checkpoint_s
+    return checkpoint_s / busy if busy > 0 else 0.0
+
+
+def restart_s(profile: ModelProfile, assumptions: Assumptions) -> float:
+    """oobleck.md §5: init_s + checkpoint bytes / storage bandwidth (the load cannot overlap)."""
+    load = assumptions.checkpoint_load_s
+    if load is None:
+        load = checkpoint_bytes(profile) / _storage_bytes_per_s(assumptions)
+    return assumptions.varuna_init_s + load
+
+
+def rollback_steps(interval_steps: int) -> float:
+    """Completed steps redone after a restart, on average: (k − 1)/2 for faults uniform over an
+    interval of k steps; with the interrupted step every policy pays, (k + 1)/2 in all."""
+    return max(interval_steps - 1, 0) / 2
+
+
+class VarunaPolicy:
+    """Varuna: stop on any failure, reload the last checkpoint on the best grid of survivors."""
+
+    name: ClassVar[str] = "varuna"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        return [self._candidate(state)]
+
+    def _candidate(self, state: ClusterState) -> Candidate:
+        if not broken_stages(state):
+            # the fault hit no device of the plan: training never stopped
+            return score(self.name, state, state.plan, TransitionCost())
+        # job morphing restarts on whatever healthy devices there are, spares included
+        groups = usable_groups(state, include_spares=True)
+        micro_batches = state.training.micro_batches
+        # every data-parallel replica takes the same share of the global batch
+        widths = [d for d in range(1, len(groups) + 1) if micro_batches % d == 0]
+        found = search(
+            state.profile,
+            state.cluster,
+            state.training,
+            groups=len(groups),
+            tp=state.plan.tp,
+            dp_options=widths,
+            symmetric_only=True,
+            top_k=1,
+        )
+        if not found.shapes:
+            return Candidate.infeasible(
+                self.name,
+                f"varuna_no_grid: no PP × DP grid of the {len(groups)} surviving device groups "
+                f"fits memory and {micro_batches} micro-batches",
+            )
+        # the new grid loads the checkpoint, so where its groups sit moves no weights
+        plan, _ = realize(state, found.shapes[0], groups)
+        assumptions = state.assumptions
+        old_step = estimate_step_time(state.profile, state.cluster, state.plan)
+        transition = TransitionCost(
+            search_s=assumptions.search_s,
+            restart_s=restart_s(state.profile, assumptions),
+            lost_work_s=interrupted_work_s(state)
+            + rollback_steps(assumptions.varuna_checkpoint_interval_steps) * old_step,
+        )
+        return score(self.name, state, plan, transition)
+
+
+__all__ = [
+    "VarunaPolicy",
+    "checkpoint_bytes",
+    "checkpoint_overhead",
+    "checkpoint_write_s",
+    "restart_s",
+    "rollback_steps",
+]

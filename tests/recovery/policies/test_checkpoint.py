@@ -1,0 +1,158 @@
+"""Checkpoint-and-restart: the same plan on spares, rolled back to the last checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.recovery.estimator import estimate_step_time
+from controlplane.recovery.model import (
+    Assumptions,
+    Candidate,
+    ClusterState,
+    Failure,
+    FailureKind,
+    Family,
+)
+from controlplane.recovery.policies import get
+from controlplane.recovery.policies.checkpoint import CheckpointPolicy
+from tests.recovery.builders import grid_state, uniform_profile
+
+GB = 1e9
+
+
+def propose(state: ClusterState, name: str = "checkpoint") -> Candidate:
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    [candidate] = get(name).propose(state, failure)
+    assert candidate.policy == name
+    return candidate
+
+
+def assert_replaced_on_spares(state: ClusterState, candidate: Candidate) -> None:
+    """Same shape, layers and batch; broken stages and only they moved onto spare groups."""
+    plan = candidate.plan
+    assert plan is not None and plan.family is Family.DYNAMIC
+    assert not plan.devices() & state.failed
+    assert plan.micro_batches * state.training.micro_batch == state.training.global_batch
+    spares = set(state.spare_devices())
+    moved: list[int] = []
+    for old, new in zip(state.plan.pipelines, plan.pipelines, strict=True):
+        assert new.micro_batches == old.micro_batches
+        for old_stage, new_stage in zip(old.stages, new.stages, strict=True):
+            assert new_stage.layers == old_stage.layers
+            assert len(new_stage.devices) == len(old_stage.devices)
+            if state.failed & set(old_stage.devices):
+                assert set(new_stage.devices) <= spares
+                moved.extend(new_stage.devices)
+            else:
+                assert new_stage == old_stage
+    assert len(moved) == len(set(moved))
+    t = candidate.transition
+    parts = (t.search_s, t.weight_transfer_s, t.restart_s, t.lost_work_s)
+    assert all(x >= 0 for x in parts)
+    assert t.total_s == pytest.approx(sum(parts))
+
+
+def test_registered_under_its_name() -> None:
+    assert isinstance(get("checkpoint"), CheckpointPolicy)
+
+
+def test_with_spares_restarts_the_same_plan_on_them() -> None:
+    state = grid_state(pp=2, dp=1, tp=2, spares=2, failed=[3])
+    candidate = propose(state)
+    assert candidate.feasible, candidate.reason
+    assert_replaced_on_spares(state, candidate)
+    assert candidate.plan is not None
+    assert candidate.plan.pipelines[0].stages[1].devices == (4, 5)
+
+
+def test_without_spares_waits_for_repair() -> None:
+    state = grid_state(pp=2, dp=2, tp=2, spares=2, failed=[0, 4])
+    candidate = propose(state)
+    assert not candidate.feasible
+    assert "needs 2 spare groups of 2 devices, 1 available" in candidate.reason
+    assert "wait for repair" in candidate.reason
+
+
+def test_lost_work_is_half_an_interval_plus_the_interrupted_step() -> None:
+    assumptions = Assumptions(detection_s=5, checkpoint_interval_steps=101)
+    state = grid_state(pp=2, dp=2, spares=1, failed=[1], assumptions=assumptions)
+    step = estimate_step_time(state.profile, state.cluster, state.plan)
+    # steps 0..100 done since the checkpoint are lost with equal odds: 50 on average, plus one
+    assert propose(state).transition.lost_work_s == pytest.approx(5 + 51 * step)
+
+
+def test_checkpoint_is_read_in_parallel_at_the_storage_bandwidth() -> None:
+    profile = uniform_profile(8, m_p=1 * GB, m_o=6 * GB, m_g=1 * GB)
+    state = grid_state(
+        pp=2, dp=2, tp=2, spares=2, failed=[1], profile=profile, assumptions=Assumptions()
+    )
+    # 4 layers × 7 GB of weights and optimizer state per stage, half per TP rank, 25 GB/s
+    assert propose(state).transition.weight_transfer_s == pytest.approx(14 * GB / 25e9)
+
+
+def test_measured_checkpoint_load_time_overrides_the_estimate() -> None:
+    state = grid_state(spares=1, failed=[1], assumptions=Assumptions(checkpoint_load_s=42))
+    assert propose(state).transition.weight_transfer_s == 42
+
+
+def test_restart_grows_with_cluster_size() -> None:
+    small = grid_state(layers=8, pp=4, dp=4, tp=2, spares=8, failed=[0])
+    large = grid_state(layers=32, pp=8, dp=64, tp=8, spares=8, failed=[0])
+    restarts = [propose(s).transition.restart_s for s in (small, large)]
+    assert restarts[0] == Assumptions().full_restart_min_s
+    assert restarts[1] == pytest.approx(0.244 * 4096 - 198)
+    # FlashRecovery's in-place restart stays flat over the same range
+    flash = [propose(s, "flashrecovery").transition.restart_s for s in (small, large)]
+    assert flash[0] == flash[1] < restarts[1]
+
+
+def test_loses_more_work_than_flashrecovery() -> None:
+    state = grid_state(pp=2, dp=2, spares=1, failed=[1])
+    lost = propose(state).transition.lost_work_s
+    assert lost > propose(state, "flashrecovery").transition.lost_work_s
+
+
+def test_fault_outside_the_plan_costs_nothing() -> None:
+    state = grid_state(spares=1, failed=[4])
+    candidate = propose(state)
+    assert candidate.plan == state.plan
+    assert candidate.transition.total_s == 0
+
+
+@st.composite
+def failed_states(draw: st.DrawFn) -> ClusterState:
+    pp, dp, tp = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 2))
+    spares = draw(st.integers(0, 12))
+    devices = pp * dp * tp + spares
+    failed = draw(st.sets(st.integers(0, devices - 1), max_size=5))
+    return grid_state(
+        layers=pp * draw(st.integers(1, 3)),
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        spares=spares,
+        devices_per_node=draw(st.sampled_from([2, 4, 8])),
+        failed=sorted(failed),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(failed_states())
+def test_random_failures_keep_invariants(state: ClusterState) -> None:
+    candidate = propose(state)
+    hit = {(p, s) for p, s, stage in state.plan.stages() if state.failed & set(stage.devices)}
+    # brute force: only spare devices can stop a checkpoint restart
+    assert candidate.feasible == (len(state.spare_devices()) >= len(hit) * state.plan.tp)
+    if candidate.feasible:
+        assert_replaced_on_spares(state, candidate)
+        assert math.isfinite(candidate.est_step_time_s)
+        if hit:
+            assert candidate.transition.lost_work_s >= estimate_step_time(
+                state.profile, state.cluster, state.plan
+            ) * (state.assumptions.checkpoint_interval_steps + 1) / 2 * (1 - 1e-9)
+    else:
+        assert "spare" in candidate.reason

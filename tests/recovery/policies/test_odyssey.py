@@ -1,0 +1,193 @@
+"""Odyssey's policies: dynamic re-planning, rerouting and the eq. 8 choice between them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.recovery.model import (
+    Assumptions,
+    Candidate,
+    ClusterState,
+    ExecutionPlan,
+    Failure,
+    FailureKind,
+    Family,
+)
+from controlplane.recovery.objective import expected_time_to_failure_s, objective
+from controlplane.recovery.policies.dynamic import plan_dynamic
+from controlplane.recovery.policies.odyssey import choose_family
+from controlplane.recovery.policies.rerouting import plan_rerouting
+from tests.recovery.builders import grid_state, uniform_profile
+
+
+def assert_valid(plan: ExecutionPlan, state: ClusterState) -> None:
+    """Invariants every recovery plan keeps (issue 4's property list)."""
+    assert plan.micro_batches == state.training.micro_batches
+    assert not plan.devices() & state.failed
+    owners: dict[int, int] = {}
+    for p, pipeline in enumerate(plan.pipelines):
+        assert pipeline.stages[0].layers[0] == 0
+        assert pipeline.stages[-1].layers[1] == state.profile.layers
+        for a, b in zip(pipeline.stages, pipeline.stages[1:], strict=False):
+            assert a.layers[1] == b.layers[0]
+        seen: set[int] = set()
+        for stage in pipeline.stages:
+            assert not seen & set(stage.devices), "a device in two stages of one pipeline"
+            seen |= set(stage.devices)
+            if stage.rerouted:
+                continue
+            for d in stage.devices:
+                assert owners.setdefault(d, p) == p, "a device in two pipelines"
+
+
+def test_objective_vector_prefers_replan_then_reroute() -> None:
+    t_state = expected_time_to_failure_s(0.1, 31)
+    assert t_state == pytest.approx(1161.29, rel=1e-4)
+    reroute = objective(global_batch=64, step_time_s=1.2, transition_s=0, t_state_s=t_state)
+    replan = objective(global_batch=64, step_time_s=1.0, transition_s=120, t_state_s=t_state)
+    assert reroute == pytest.approx(53.33, rel=1e-3)
+    assert replan > reroute
+    # With t_state / (t_transition + t_state) the break-even is D* = 120 · 1.0 / 0.2 = 600 s
+    # (odyssey.md §2 gets 720 s from the clamped form): shorter intervals favour rerouting.
+    at = {d: objective(global_batch=64, step_time_s=1.0, transition_s=120, t_state_s=d)
+          for d in (500, 600, 700)}
+    assert at[600] == pytest.approx(64 / 1.2)
+    assert at[500] < 64 / 1.2 < at[700]
+
+
+@given(
+    step=st.floats(0.01, 100),
+    transition=st.floats(0, 1000),
+    more=st.floats(0.01, 100),
+    t_state=st.floats(1, 1e6),
+)
+def test_objective_decreases_in_step_and_transition(
+    step: float, transition: float, more: float, t_state: float
+) -> None:
+    base = objective(global_batch=64, step_time_s=step, transition_s=transition, t_state_s=t_state)
+    assert objective(global_batch=64, step_time_s=step, transition_s=0, t_state_s=math.inf) == (
+        pytest.approx(64 / step)
+    )
+    assert base >= objective(
+        global_batch=64, step_time_s=step + more, transition_s=transition, t_state_s=t_state
+    )
+    assert base >= objective(
+        global_batch=64, step_time_s=step, transition_s=transition + more, t_state_s=t_state
+    )
+
+
+def test_rerouting_keeps_the_plan_and_borrows_peers() -> None:
+    state = grid_state(layers=8, pp=2, dp=3, micro_batches=4, failed=[2])
+    candidate = plan_rerouting("rerouting", state)
+    assert candidate.feasible and candidate.plan is not None
+    assert candidate.plan.family is Family.REROUTING
+    stage = candidate.plan.pipelines[1].stages[0]
+    assert stage.rerouted and set(stage.devices) == {0, 4}
+    assert candidate.transition.restart_s == 0
+    assert_valid(candidate.plan, state)
+
+
+def test_rerouting_infeasible_when_stage_loses_all_replicas() -> None:
+    state = grid_state(layers=8, pp=2, dp=2, micro_batches=4, failed=[1, 3])
+    candidate = plan_rerouting("rerouting", state)
+    assert not candidate.feasible
+    assert "lost every replica" in candidate.reason
+
+
+def test_dynamic_replans_over_survivors() -> None:
+    state = grid_state(layers=9, pp=3, dp=3, micro_batches=4, failed=[4])
+    candidate = plan_dynamic("dynamic", state)
+    assert candidate.feasible and candidate.plan is not None
+    assert len(candidate.plan.devices()) == 8
+    assert candidate.transition.restart_s == state.assumptions.restart_s
+    assert_valid(candidate.plan, state)
+
+
+@st.composite
+def failed_states(draw: st.DrawFn) -> ClusterState:
+    pp = draw(st.integers(1, 4))
+    dp = draw(st.integers(1, 6))
+    devices = pp * dp
+    failed = draw(st.sets(st.integers(0, devices - 1), min_size=1, max_size=max(1, devices // 2)))
+    layers = draw(st.integers(pp, 10))
+    fwd = draw(st.lists(st.floats(0.1, 2.0), min_size=layers, max_size=layers))
+    profile = uniform_profile(layers)
+    profile = type(profile)(
+        name="random",
+        fwd_s=tuple(fwd),
+        bwd_s=tuple(2 * f for f in fwd),
+        m_p=(1e9,) * layers,
+        m_o=(6e9,) * layers,
+        m_g=(1e9,) * layers,
+        m_a=(1e9,) * layers,
+    )
+    return grid_state(
+        layers=layers,
+        pp=pp,
+        dp=dp,
+        micro_batches=draw(st.integers(1, 6)),
+        failed=sorted(failed),
+        profile=profile,
+        devices_per_node=draw(st.sampled_from([1, 2, 4, 8])),
+        memory_bytes=draw(st.sampled_from([math.inf, 60e9, 120e9])),
+        failure_rate=draw(st.sampled_from([0.0, 0.1, 10.0])),
+        bandwidth_gbps=draw(st.sampled_from([None, (400.0, 100.0), (10.0, 1.0)])),
+        assumptions=Assumptions(restart_s=draw(st.sampled_from([0.0, 2.0, 60.0]))),
+    )
+
+
+@given(state=failed_states())
+@settings(max_examples=80, deadline=None)
+def test_fast_dynamic_policy_matches_exhaustive_objective(state: ClusterState) -> None:
+    fast = plan_dynamic("dynamic", state)
+    exhaustive = plan_dynamic("dynamic", state, exhaustive=True)
+    assert fast.feasible == exhaustive.feasible
+    assert fast.objective == pytest.approx(exhaustive.objective, rel=1e-9)
+    if fast.feasible:
+        assert fast.plan is not None
+        assert_valid(fast.plan, state)
+        assert max(fast.peak_memory_bytes.values()) <= state.cluster.device_memory_bytes
+
+
+@given(state=failed_states())
+@settings(max_examples=60, deadline=None)
+def test_odyssey_picks_the_family_with_the_best_objective(state: ClusterState) -> None:
+    options = [plan_rerouting("odyssey", state), plan_dynamic("odyssey", state)]
+    chosen = choose_family("odyssey", state)
+    feasible = [c for c in options if c.feasible]
+    assert chosen.feasible == bool(feasible)
+    if feasible:
+        assert chosen.objective == max(c.objective for c in feasible)
+        assert chosen.plan is not None
+        assert_valid(chosen.plan, state)
+    else:
+        assert "rerouting" in chosen.reason and "dynamic" in chosen.reason
+
+
+def test_odyssey_reroutes_when_faults_come_fast() -> None:
+    frequent = grid_state(
+        layers=8, pp=2, dp=4, micro_batches=4, failed=[3], failure_rate=50.0,
+        assumptions=Assumptions(restart_s=60.0),
+    )
+    rare = grid_state(
+        layers=8, pp=2, dp=4, micro_batches=4, failed=[3], failure_rate=0.001,
+        assumptions=Assumptions(restart_s=60.0),
+    )
+    assert _family(choose_family("odyssey", frequent)) is Family.REROUTING
+    assert _family(choose_family("odyssey", rare)) is Family.DYNAMIC
+
+
+def _family(candidate: Candidate) -> Family:
+    assert candidate.plan is not None
+    return candidate.plan.family
+
+
+def test_failure_kind_values_match_design() -> None:
+    assert {k.value for k in FailureKind} == {
+        "crash", "hang", "straggler", "nan", "link", "node_lost"
+    }
+    assert Failure(kind=FailureKind.CRASH, devices=frozenset({1})).detected_by == "scenario"
