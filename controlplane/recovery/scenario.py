@@ -158,8 +158,11 @@ def _assumptions(overrides: dict[str, Any]) -> Assumptions:
                 field=f"assumptions.{key}",
             )
         default = getattr(Assumptions(), key)
+        numeric = default is None or (
+            isinstance(default, (int, float)) and not isinstance(default, bool)
+        )
         if isinstance(value, bool) != isinstance(default, bool) or (
-            isinstance(default, (int, float)) and not isinstance(value, (int, float))
+            numeric and not isinstance(value, (int, float))
         ):
             raise InvalidScenario(f"expected a value like {default!r}", field=f"assumptions.{key}")
         if isinstance(value, (int, float)) and value < 0:

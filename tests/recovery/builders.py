@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from controlplane.recovery.model import (
@@ -14,6 +15,11 @@ from controlplane.recovery.model import (
     Stage,
     Training,
 )
+
+
+def examples(default: int) -> int:
+    """Hypothesis examples for the expensive properties; PITSTOP_DEEP=N multiplies them."""
+    return default * int(os.environ.get("PITSTOP_DEEP", "1"))
 
 
 def uniform_profile(

@@ -71,9 +71,7 @@ def test_eq11_is_monotone_and_above_lower_bound(
     t_b = data.draw(st.lists(st.floats(0.01, 5), min_size=len(t_f), max_size=len(t_f)))
     base = pipeline_time(t_f, t_b, m)
     # odyssey.md §5.1: stage b waits for micro-batch 0, runs m passes, sends the gradient back
-    lower = max(
-        sum(t_f[:b]) + m * (t_f[b] + t_b[b]) + sum(t_b[:b]) for b in range(len(t_f))
-    )
+    lower = max(sum(t_f[:b]) + m * (t_f[b] + t_b[b]) + sum(t_b[:b]) for b in range(len(t_f)))
     assert base >= lower - 1e-9
     assert pipeline_time(t_f, t_b, m + 1) >= base
     s = data.draw(st.integers(0, len(t_f) - 1))
@@ -86,7 +84,9 @@ def test_eq11_is_monotone_and_above_lower_bound(
 def test_1f1b_order_runs_every_pass_once(stages: int, m: int) -> None:
     for s in range(stages):
         order = one_f_one_b_order(s, stages, m)
-        assert sorted(order) == sorted([(True, j) for j in range(m)] + [(False, j) for j in range(m)])
+        assert sorted(order) == sorted(
+            [(True, j) for j in range(m)] + [(False, j) for j in range(m)]
+        )
         # a backward never precedes its own forward
         assert all(order.index((True, j)) < order.index((False, j)) for j in range(m))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from controlplane.recovery.planner import (
     search,
     usable_groups,
 )
-from tests.recovery.builders import grid_state, uniform_profile
+from tests.recovery.builders import examples, grid_state, uniform_profile
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,7 @@ def profiles(draw: st.DrawFn) -> ModelProfile:
     micro_batches=st.integers(1, 48),
     capacity=st.one_of(st.just(math.inf), st.floats(20.0, 120.0)),
 )
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 def test_fast_search_finds_the_exhaustive_optimum(
     profile: ModelProfile, groups: int, old_dp: int, micro_batches: int, capacity: float
 ) -> None:
@@ -110,7 +111,7 @@ def test_fast_search_finds_the_exhaustive_optimum(
         assert len(shape.pipelines) in dp_options
         for pipeline in shape.pipelines:
             assert pipeline.layers[0][0] == 0 and pipeline.layers[-1][1] == profile.layers
-            assert all(a[1] == b[0] for a, b in zip(pipeline.layers, pipeline.layers[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pipeline.layers))
 
 
 def test_search_returns_shapes_fastest_first() -> None:

@@ -19,8 +19,9 @@ from controlplane.recovery.policies.base import interrupted_work_s, score
 
 # Shapes scored with their weight transfer once the fastest is known. The window they come from
 # is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale.
-WINDOW_TOP_K = 16
+WINDOW_TOP_K = 256
 WINDOW_NODE_BUDGET = 5_000
+WINDOW_MIN_SCORED = 8
 
 
 def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) -> Candidate:
@@ -79,10 +80,15 @@ def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) 
         state.training,
         top_k=10**9 if exhaustive else WINDOW_TOP_K,
         max_step_time_s=cut * (1 + 1e-9),
-        node_budget=10**9 if exhaustive else WINDOW_NODE_BUDGET,
+        node_budget=None if exhaustive else WINDOW_NODE_BUDGET,
         **kwargs,  # type: ignore[arg-type]
     )
-    for shape in window.shapes:
+    # Placements cost O(groups) and more at scale; small clusters score the whole window.
+    limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, 4096 // len(groups))
+    for shape in window.shapes[:limit]:  # fastest first
+        bound = state.training.global_batch / shape.compute_time_s * ratio
+        if bound <= best.objective * (1 + 1e-12):
+            break
         candidate = evaluate(shape)
         if candidate.feasible and candidate.objective > best.objective * (1 + 1e-12):
             best = candidate

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -271,8 +270,12 @@ def _layer_lost(ranges: Sequence[LayerRange]) -> str:
     )
 
 
-def _template_model(profile: ModelProfile, ts: TemplateSet) -> tuple[dict[int, float], ...]:
-    fill, period = {}, {}
+def _template_model(
+    profile: ModelProfile, ts: TemplateSet
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Each template's 1F1B fill-and-drain time and bottleneck period, for choosing X."""
+    fill: dict[int, float] = {}
+    period: dict[int, float] = {}
     for t in ts.templates:
         work = [profile.fwd(*r) + profile.bwd(*r) for r in t.layers]
         fill[t.nodes], period[t.nodes] = sum(work), max(work)
@@ -357,7 +360,6 @@ class OobleckPolicy:
     name: ClassVar[str] = "oobleck"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        started = time.perf_counter()
         profile, cluster, plan = state.profile, state.cluster, state.plan
         f = state.assumptions.oobleck_f
         layout = node_layout(cluster, group_size(plan))
@@ -377,20 +379,22 @@ class OobleckPolicy:
         # §8 item 10: a node with any failed device is lost as a whole
         lost = {layout.node_of(d) for d in state.failed}
         pipelines = _plan_nodes(plan, layout)
-        damaged = [
-            bool(lost.intersection(nodes)) or any(s.rerouted for s in p.stages)
+        if not any(
+            lost.intersection(nodes) or any(s.rerouted for s in p.stages)
             for nodes, p in zip(pipelines, plan.pipelines, strict=True)
-        ]
-        if not any(damaged):
+        ):
             # the fault hit no node of the plan: training never stopped
             return [score(self.name, state, plan, TransitionCost())]
+        whole = layout.whole_nodes(cluster.total_devices)
         in_plan = {n for nodes in pipelines for n in nodes}
-        kept = sorted(in_plan - lost)
-        joiners = [
-            n
-            for n in range(layout.whole_nodes(cluster.total_devices))
-            if n not in in_plan and n not in lost
+        # a node cut short by the end of the cluster cannot host a template's node of stages
+        dropped = lost | {n for n in in_plan if n >= whole}
+        damaged = [
+            bool(dropped.intersection(nodes)) or any(s.rerouted for s in p.stages)
+            for nodes, p in zip(pipelines, plan.pipelines, strict=True)
         ]
+        kept = sorted(in_plan - dropped)
+        joiners = [n for n in range(whole) if n not in in_plan and n not in lost]
         healthy = len(kept) + len(joiners)
         if healthy < (f + 1) * templates.n0:
             return [
@@ -412,13 +416,13 @@ class OobleckPolicy:
                 f"beyond_f: {len(hit)} simultaneous node failures > f={f}; recovered because "
                 "every layer kept a replica"
             )
-        if layout.node_devices > 1 and any(set(layout.devices(n)) - state.failed for n in lost):
+        if any(set(layout.devices(n)) - state.failed for n in lost & in_plan if n < whole):
             notes.append("partial node loss: Oobleck drops the whole node (oobleck.md §8 item 10)")
 
         candidates: list[Candidate] = []
-        repaired = self._repair(state, layout, templates, pipelines, damaged, lost)
+        repaired = self._repair(state, layout, templates, pipelines, damaged, dropped)
         if isinstance(repaired, tuple):
-            candidates.append(self._score(state, started, *repaired, notes=notes))
+            candidates.append(self._score(state, *repaired, notes=notes))
         if isinstance(repaired, str) or state.assumptions.oobleck_replan:
             why = [] if not isinstance(repaired, str) else [f"re-instantiated: {repaired}"]
             again = reinstantiate(
@@ -429,7 +433,7 @@ class OobleckPolicy:
                     again = f"{again} (local repair: {repaired})"
                 candidates.append(Candidate.infeasible(self.name, again))
             else:
-                candidates.append(self._score(state, started, *again, notes=[*why, *notes]))
+                candidates.append(self._score(state, *again, notes=[*why, *notes]))
         return candidates
 
     def _repair(
@@ -463,7 +467,8 @@ class OobleckPolicy:
             same = unchanged.get(frozenset(nodes))
             if same is not None:
                 # treated as it is: the scenario's pipelines need not come from templates
-                pass
+                drafts.append(_Draft(nodes=nodes, stages=same.stages))
+                continue
             template = templates.get(len(nodes))
             if template is None:
                 return (
@@ -476,15 +481,15 @@ class OobleckPolicy:
     def _score(
         self,
         state: ClusterState,
-        started: float,
         plan: ExecutionPlan,
         placement: Placement,
         *,
         notes: Sequence[str],
     ) -> Candidate:
         transition = TransitionCost(
-            # repair and batch split run at fault time; templates were built at job start
-            search_s=time.perf_counter() - started,
+            # Repair and batch split take milliseconds at fault time (templates were built at
+            # job start); charged like every policy's search so candidates stay deterministic.
+            search_s=state.assumptions.search_s,
             weight_transfer_s=placement.transfer_s,
             restart_s=state.assumptions.oobleck_regroup_s,
             # §7.4.2: at most the interrupted iteration is lost

@@ -21,7 +21,7 @@ from controlplane.recovery.objective import expected_time_to_failure_s, objectiv
 from controlplane.recovery.policies.dynamic import plan_dynamic
 from controlplane.recovery.policies.odyssey import choose_family
 from controlplane.recovery.policies.rerouting import plan_rerouting
-from tests.recovery.builders import grid_state, uniform_profile
+from tests.recovery.builders import examples, grid_state, uniform_profile
 
 
 def assert_valid(plan: ExecutionPlan, state: ClusterState) -> None:
@@ -53,8 +53,10 @@ def test_objective_vector_prefers_replan_then_reroute() -> None:
     assert replan > reroute
     # With t_state / (t_transition + t_state) the break-even is D* = 120 · 1.0 / 0.2 = 600 s
     # (odyssey.md §2 gets 720 s from the clamped form): shorter intervals favour rerouting.
-    at = {d: objective(global_batch=64, step_time_s=1.0, transition_s=120, t_state_s=d)
-          for d in (500, 600, 700)}
+    at = {
+        d: objective(global_batch=64, step_time_s=1.0, transition_s=120, t_state_s=d)
+        for d in (500, 600, 700)
+    }
     assert at[600] == pytest.approx(64 / 1.2)
     assert at[500] < 64 / 1.2 < at[700]
 
@@ -141,7 +143,7 @@ def failed_states(draw: st.DrawFn) -> ClusterState:
 
 
 @given(state=failed_states())
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_fast_dynamic_policy_matches_exhaustive_objective(state: ClusterState) -> None:
     fast = plan_dynamic("dynamic", state)
     exhaustive = plan_dynamic("dynamic", state, exhaustive=True)
@@ -170,11 +172,21 @@ def test_odyssey_picks_the_family_with_the_best_objective(state: ClusterState) -
 
 def test_odyssey_reroutes_when_faults_come_fast() -> None:
     frequent = grid_state(
-        layers=8, pp=2, dp=4, micro_batches=4, failed=[3], failure_rate=50.0,
+        layers=8,
+        pp=2,
+        dp=4,
+        micro_batches=4,
+        failed=[3],
+        failure_rate=50.0,
         assumptions=Assumptions(restart_s=60.0),
     )
     rare = grid_state(
-        layers=8, pp=2, dp=4, micro_batches=4, failed=[3], failure_rate=0.001,
+        layers=8,
+        pp=2,
+        dp=4,
+        micro_batches=4,
+        failed=[3],
+        failure_rate=0.001,
         assumptions=Assumptions(restart_s=60.0),
     )
     assert _family(choose_family("odyssey", frequent)) is Family.REROUTING
@@ -188,6 +200,11 @@ def _family(candidate: Candidate) -> Family:
 
 def test_failure_kind_values_match_design() -> None:
     assert {k.value for k in FailureKind} == {
-        "crash", "hang", "straggler", "nan", "link", "node_lost"
+        "crash",
+        "hang",
+        "straggler",
+        "nan",
+        "link",
+        "node_lost",
     }
     assert Failure(kind=FailureKind.CRASH, devices=frozenset({1})).detected_by == "scenario"
