@@ -20,10 +20,14 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from itertools import combinations, islice
 
+import numpy as np
+import numpy.typing as npt
+
 from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.estimator.memory import stage_peak_bytes
 from controlplane.recovery.estimator.time import cached_pipeline_time, pipeline_time
 from controlplane.recovery.model import (
@@ -39,6 +43,8 @@ from controlplane.recovery.model import (
 from controlplane.recovery.restorer import Placement, place
 
 Layers = tuple[tuple[int, int], ...]
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 # Placements of the remainder layers tried per (S, m) in the fast search; C(S, r) explodes past
 # 16 stages (C(32, 16) ≈ 6·10^8), and lower-bound ordering finds the best one early.
@@ -93,18 +99,16 @@ def _split_from_heavy(layers: int, stages: int, heavy: Sequence[int]) -> Layers:
     return tuple(bounds)
 
 
-def even_splits(layers: int, stages: int, limit: int | None = None) -> Iterator[Layers]:
-    """Even splits of ``layers`` over ``stages``: base layers each, the remainder placed anywhere.
+def heavy_placements(
+    stages: int, remainder: int, limit: int | None = None
+) -> Iterator[tuple[int, ...]]:
+    """Which stages take one of the ``remainder`` extra layers of an even split.
 
     With ``limit``, at most that many placements: heavy-early ones first (eq. 11 favours them),
     then heavy-late ones (eq. 14 favours them), then evenly spaced; duplicates skipped.
     """
-    base, remainder = divmod(layers, stages)
-    if base == 0:
-        return
     if limit is None or math.comb(stages, remainder) <= limit:
-        for heavy in combinations(range(stages), remainder):
-            yield _split_from_heavy(layers, stages, heavy)
+        yield from combinations(range(stages), remainder)
         return
     seen: set[tuple[int, ...]] = set()
     early = combinations(range(stages), remainder)
@@ -116,7 +120,15 @@ def even_splits(layers: int, stages: int, limit: int | None = None) -> Iterator[
         for heavy in source:
             if heavy not in seen:
                 seen.add(heavy)
-                yield _split_from_heavy(layers, stages, heavy)
+                yield heavy
+
+
+def even_splits(layers: int, stages: int, limit: int | None = None) -> Iterator[Layers]:
+    """Even splits of ``layers`` over ``stages``: base layers each, the remainder anywhere."""
+    if layers // stages == 0:
+        return
+    for heavy in heavy_placements(stages, layers % stages, limit):
+        yield _split_from_heavy(layers, stages, heavy)
 
 
 class PipelineOracle:
@@ -162,23 +174,79 @@ class PipelineOracle:
         return found
 
     def _search(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
-        limit = MAX_PLACEMENTS if self.memo else None
-        splits = even_splits(self.profile.layers, stages, limit)
-        feasible = [s for s in splits if self.fits(s, micro_batches)]
-        if not feasible:
+        if not self.memo:
+            feasible = [
+                s for s in even_splits(self.profile.layers, stages) if self.fits(s, micro_batches)
+            ]
+            return min(((self.time(s, micro_batches), s) for s in feasible), default=None)
+        return self._search_together(stages, micro_batches)
+
+    def _fitting_splits(self, stages: int, micro_batches: int) -> tuple[IntArray, IntArray] | None:
+        """Start and end layers (rows = splits) of the even splits that fit memory (eq. 14)."""
+        base, remainder = divmod(self.profile.layers, stages)
+        if base == 0:
             return None
-        if self.memo and len(feasible) > 1:
-            # Visit splits by a lower bound on eq. 11 and stop once it cannot beat the best.
-            ordered = sorted((self._lower_bound(s, micro_batches), s) for s in feasible)
-            best: tuple[float, Layers] | None = None
-            for bound, split in ordered:
-                if best is not None and bound >= best[0]:
-                    break
-                candidate = (self.time(split, micro_batches), split)
-                if best is None or candidate < best:
-                    best = candidate
-            return best
-        return min((self.time(s, micro_batches), s) for s in feasible)
+        heavy = list(heavy_placements(stages, remainder, MAX_PLACEMENTS))
+        sizes = np.full((len(heavy), stages), base, dtype=np.int64)
+        for row, extra in enumerate(heavy):
+            sizes[row, list(extra)] += 1
+        ends = np.cumsum(sizes, axis=1)
+        starts = ends - sizes
+        _, _, static, act = self._prefix_arrays
+        in_flight = np.minimum(stages - np.arange(stages), micro_batches)
+        # eq. 14 per stage, as stage_peak_bytes computes it
+        peak = (static[ends] - static[starts] + in_flight * (act[ends] - act[starts])) / self.tp
+        fits = (peak <= self.capacity).all(axis=1)
+        if not fits.any():
+            return None
+        return starts[fits], ends[fits]
+
+    def _search_together(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
+        """The same search with every split as a row of numpy arrays: memory filter and eq. 11.
+
+        The arithmetic is the scalar path's, operation for operation, so times and ties agree.
+        """
+        found = self._fitting_splits(stages, micro_batches)
+        if found is None:
+            return None
+        starts, ends = found
+        fwd, bwd, _, _ = self._prefix_arrays
+        times = pipeline_times(fwd[ends] - fwd[starts], bwd[ends] - bwd[starts], micro_batches)
+        splits = [
+            tuple(zip(row_s, row_e, strict=True))
+            for row_s, row_e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+        return min(zip(times.tolist(), splits, strict=True))
+
+    def split_bound(self, stages: int, micro_batches: int) -> float:
+        """A bound on ``best(stages, micro_batches)`` without simulating: the least, over fitting
+        splits, of the busiest-stage bound (odyssey.md §5.1 item 3). Infinite when none fits.
+        """
+        if not self.memo or (stages, micro_batches) in self._best:
+            best = self.best(stages, micro_batches)
+            return math.inf if best is None else best[0]
+        found = self._fitting_splits(stages, micro_batches)
+        if found is None:
+            return math.inf
+        starts, ends = found
+        fwd, bwd, _, _ = self._prefix_arrays
+        t_f, t_b = fwd[ends] - fwd[starts], bwd[ends] - bwd[starts]
+        # stage b waits for micro-batch 0, runs m passes, and its last gradient travels back
+        before = np.cumsum(t_f + t_b, axis=1) - (t_f + t_b)
+        bound = (before + micro_batches * (t_f + t_b)).max(axis=1)
+        return float(bound.min())
+
+    @cached_property
+    def _prefix_arrays(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        """Prefix sums over layers of forward, backward, static and activation terms."""
+        layers = range(self.profile.layers + 1)
+        p = self.profile
+        return (
+            np.array([p.fwd(0, i) for i in layers]),
+            np.array([p.bwd(0, i) for i in layers]),
+            np.array([p.static_bytes(0, i) for i in layers]),
+            np.array([p.activation_bytes(0, i) for i in layers]),
+        )
 
     def quick_bound(self, stages: int, micro_batches: int) -> float:
         """A bound on every even split's eq. 11 time that needs no split.
@@ -200,19 +268,6 @@ class PipelineOracle:
             self.profile.fwd(i, i + widest) + self.profile.bwd(i, i + widest)
             for i in range(self.profile.layers - widest + 1)
         )
-
-    def _lower_bound(self, split: Layers, micro_batches: int) -> float:
-        # Stage b waits for micro-batch 0 to arrive, runs all m forward+backward passes serially,
-        # and the last gradient must travel back to stage 0 (odyssey.md §5.1 item 3).
-        t_f = [self.profile.fwd(*layers) for layers in split]
-        t_b = [self.profile.bwd(*layers) for layers in split]
-        before_f = before_b = 0.0
-        bound = 0.0
-        for f, b in zip(t_f, t_b, strict=True):
-            bound = max(bound, before_f + micro_batches * (f + b) + before_b)
-            before_f += f
-            before_b += b
-        return bound
 
 
 # Relative difference under which two step times count as equal.
@@ -296,6 +351,8 @@ class _Search:
             return False
         m = self._guaranteed(length)
         if self._beyond(self.oracle.quick_bound(length, m)):
+            return True
+        if self._beyond(self.oracle.split_bound(length, m)):
             return True
         best = self.oracle.best(length, m)
         return best is None or self._beyond(best[0])
