@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each runs alone, prints a table and writes JSON."""

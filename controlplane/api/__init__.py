@@ -1,0 +1,1 @@
+"""REST API: DRF serializers, views and routers, and the OpenAPI schema."""

@@ -1,0 +1,1 @@
+"""Jobs: Job, Node and Device, heartbeat ingestion and the failure detector (Django app)."""

@@ -1,0 +1,1 @@
+"""Recoveries: Failure, RecoveryDecision, TimelineEvent and the decision state machine."""

@@ -1,0 +1,1 @@
+"""Streaming: Channels consumers and websocket routing (agent socket, dashboard socket)."""

@@ -1,0 +1,13 @@
+"""Top-level URL routes: health check, REST API with its OpenAPI schema, admin, web UI."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+from controlplane.health import healthz
+
+urlpatterns = [
+    path("healthz", healthz, name="healthz"),
+    path("api/", include("controlplane.api.urls")),
+    path("admin/", admin.site.urls),
+    path("", include("webui.urls")),
+]

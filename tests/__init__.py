@@ -1,0 +1,1 @@
+"""Tests of Pitstop; the layout mirrors the packages."""

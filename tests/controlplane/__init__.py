@@ -1,0 +1,1 @@
+"""Tests of the control plane project (settings, embedded services, health, wiring)."""

@@ -1,0 +1,1 @@
+"""Whole-stack tests: real server processes on loopback."""

@@ -1,0 +1,84 @@
+"""The demo's server start: migrate, serve ASGI on loopback, answer /healthz, stop cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.processes import REPO_ROOT, clean_environment, free_port, process_exists, wait_until
+
+pytestmark = pytest.mark.e2e
+
+DEMO_SERVER = [sys.executable, "-m", "daphne"]
+
+
+def _healthz(url: str) -> tuple[int, dict[str, str]] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except OSError:
+        return None  # not listening yet
+
+
+def test_demo_server_answers_healthz_and_stops_its_embedded_redis(tmp_path: Path) -> None:
+    # The same steps as `./dev demo`, on the embedded defaults in a fresh data directory.
+    env = clean_environment(PITSTOP_DATA_DIR=str(tmp_path))
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput"],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [*DEMO_SERVER, "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}/healthz"
+        answers: list[tuple[int, dict[str, str]]] = []
+
+        def answered() -> bool:
+            assert server.poll() is None, log_path.read_text()
+            answer = _healthz(url)
+            if answer is not None:
+                answers.append(answer)
+            return answer is not None
+
+        wait_until(answered, timeout_s=60, what=f"{url} to answer")
+        assert answers[-1] == (200, {"status": "ok", "database": "ok", "redis": "ok"})
+        redis_pid = json.loads((tmp_path / "redis" / "server.json").read_text())["pid"]
+
+        server.send_signal(signal.SIGINT)  # what Ctrl-C on `./dev demo` sends
+        assert server.wait(timeout=30) == 0, log_path.read_text()
+        assert not process_exists(redis_pid)
+        assert not (tmp_path / "redis" / "server.json").exists()
+        assert (tmp_path / "pitstop.sqlite3").is_file()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        _stop_leftover_redis(tmp_path / "redis" / "server.json")
+
+
+def _stop_leftover_redis(state_path: Path) -> None:
+    """After a failure, leave no embedded Redis running behind this test."""
+    if state_path.exists():
+        pid = json.loads(state_path.read_text())["pid"]
+        if process_exists(pid):
+            os.kill(pid, signal.SIGTERM)

@@ -1,0 +1,1 @@
+"""Reference elastic trainer driven by the worker agent."""
