@@ -15,11 +15,11 @@ from controlplane.recovery.model import (
     ClusterState,
     Failure,
     FailureKind,
-    Family,
 )
 from controlplane.recovery.policies import get
 from controlplane.recovery.policies.checkfree import CheckFreePlusPolicy, CheckFreePolicy
 from tests.recovery.builders import grid_plan, grid_state, uniform_profile
+from tests.recovery.policies.checks import assert_replaced_on_spares
 
 GB = 1e9
 POLICIES = ["checkfree", "checkfree_plus"]
@@ -30,31 +30,6 @@ def propose(name: str, state: ClusterState) -> Candidate:
     [candidate] = get(name).propose(state, failure)
     assert candidate.policy == name
     return candidate
-
-
-def assert_replaced_on_spares(state: ClusterState, candidate: Candidate) -> None:
-    """Same shape, layers and batch; broken stages and only they moved onto spare groups."""
-    plan = candidate.plan
-    assert plan is not None and plan.family is Family.DYNAMIC
-    assert not plan.devices() & state.failed
-    assert plan.micro_batches * state.training.micro_batch == state.training.global_batch
-    spares = set(state.spare_devices())
-    moved: list[int] = []
-    for old, new in zip(state.plan.pipelines, plan.pipelines, strict=True):
-        assert new.micro_batches == old.micro_batches
-        for old_stage, new_stage in zip(old.stages, new.stages, strict=True):
-            assert new_stage.layers == old_stage.layers
-            assert len(new_stage.devices) == len(old_stage.devices)
-            if state.failed & set(old_stage.devices):
-                assert set(new_stage.devices) <= spares
-                moved.extend(new_stage.devices)
-            else:
-                assert new_stage == old_stage
-    assert len(moved) == len(set(moved))
-    t = candidate.transition
-    parts = (t.search_s, t.weight_transfer_s, t.restart_s, t.lost_work_s)
-    assert all(x >= 0 for x in parts)
-    assert t.total_s == pytest.approx(sum(parts))
 
 
 def test_registered_under_their_names() -> None:

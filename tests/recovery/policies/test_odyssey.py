@@ -12,7 +12,6 @@ from controlplane.recovery.model import (
     Assumptions,
     Candidate,
     ClusterState,
-    ExecutionPlan,
     Failure,
     FailureKind,
     Family,
@@ -22,26 +21,7 @@ from controlplane.recovery.policies.dynamic import plan_dynamic
 from controlplane.recovery.policies.odyssey import choose_family
 from controlplane.recovery.policies.rerouting import plan_rerouting
 from tests.recovery.builders import examples, grid_state, uniform_profile
-
-
-def assert_valid(plan: ExecutionPlan, state: ClusterState) -> None:
-    """Invariants every recovery plan keeps (issue 4's property list)."""
-    assert plan.micro_batches == state.training.micro_batches
-    assert not plan.devices() & state.failed
-    owners: dict[int, int] = {}
-    for p, pipeline in enumerate(plan.pipelines):
-        assert pipeline.stages[0].layers[0] == 0
-        assert pipeline.stages[-1].layers[1] == state.profile.layers
-        for a, b in zip(pipeline.stages, pipeline.stages[1:], strict=False):
-            assert a.layers[1] == b.layers[0]
-        seen: set[int] = set()
-        for stage in pipeline.stages:
-            assert not seen & set(stage.devices), "a device in two stages of one pipeline"
-            seen |= set(stage.devices)
-            if stage.rerouted:
-                continue
-            for d in stage.devices:
-                assert owners.setdefault(d, p) == p, "a device in two pipelines"
+from tests.recovery.policies.checks import assert_valid_plan
 
 
 def test_objective_vector_prefers_replan_then_reroute() -> None:
@@ -90,7 +70,7 @@ def test_rerouting_keeps_the_plan_and_borrows_peers() -> None:
     stage = candidate.plan.pipelines[1].stages[0]
     assert stage.rerouted and set(stage.devices) == {0, 4}
     assert candidate.transition.restart_s == 0
-    assert_valid(candidate.plan, state)
+    assert_valid_plan(candidate.plan, state)
 
 
 def test_rerouting_infeasible_when_stage_loses_all_replicas() -> None:
@@ -106,7 +86,7 @@ def test_dynamic_replans_over_survivors() -> None:
     assert candidate.feasible and candidate.plan is not None
     assert len(candidate.plan.devices()) == 8
     assert candidate.transition.restart_s == state.assumptions.restart_s
-    assert_valid(candidate.plan, state)
+    assert_valid_plan(candidate.plan, state)
 
 
 @st.composite
@@ -151,7 +131,7 @@ def test_fast_dynamic_policy_matches_exhaustive_objective(state: ClusterState) -
     assert fast.objective == pytest.approx(exhaustive.objective, rel=1e-9)
     if fast.feasible:
         assert fast.plan is not None
-        assert_valid(fast.plan, state)
+        assert_valid_plan(fast.plan, state)
         assert max(fast.peak_memory_bytes.values()) <= state.cluster.device_memory_bytes
 
 
@@ -165,7 +145,7 @@ def test_odyssey_picks_the_family_with_the_best_objective(state: ClusterState) -
     if feasible:
         assert chosen.objective == max(c.objective for c in feasible)
         assert chosen.plan is not None
-        assert_valid(chosen.plan, state)
+        assert_valid_plan(chosen.plan, state)
     else:
         assert "rerouting" in chosen.reason and "dynamic" in chosen.reason
 
