@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import strategies as st
 
 from controlplane.recovery.model import Candidate, ClusterState, ExecutionPlan, Family
+from tests.recovery.builders import grid_state
 
 
 def assert_valid_plan(plan: ExecutionPlan, state: ClusterState) -> None:
@@ -55,3 +57,21 @@ def assert_replaced_on_spares(state: ClusterState, candidate: Candidate) -> None
                 assert new_stage == old_stage
     assert len(moved) == len(set(moved))
     assert_transition_adds_up(candidate)
+
+
+@st.composite
+def failed_states(draw: st.DrawFn) -> ClusterState:
+    """Symmetric plans with spares and up to five failed devices, spares included."""
+    pp, dp, tp = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 2))
+    spares = draw(st.integers(0, 12))
+    devices = pp * dp * tp + spares
+    failed = draw(st.sets(st.integers(0, devices - 1), max_size=5))
+    return grid_state(
+        layers=pp * draw(st.integers(1, 3)),
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        spares=spares,
+        devices_per_node=draw(st.sampled_from([2, 4, 8])),
+        failed=sorted(failed),
+    )

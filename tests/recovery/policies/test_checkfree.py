@@ -6,7 +6,6 @@ import math
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
@@ -19,7 +18,7 @@ from controlplane.recovery.model import (
 from controlplane.recovery.policies import get
 from controlplane.recovery.policies.checkfree import CheckFreePlusPolicy, CheckFreePolicy
 from tests.recovery.builders import grid_plan, grid_state, uniform_profile
-from tests.recovery.policies.checks import assert_replaced_on_spares
+from tests.recovery.policies.checks import assert_replaced_on_spares, failed_states
 
 GB = 1e9
 POLICIES = ["checkfree", "checkfree_plus"]
@@ -186,23 +185,6 @@ def test_checkfree_plus_copies_an_edge_stage_from_its_partner_alone() -> None:
     candidate = propose("checkfree_plus", state)
     assert candidate.feasible, candidate.reason
     assert candidate.transition.weight_transfer_s == pytest.approx(2 * GB / 12.5e9)
-
-
-@st.composite
-def failed_states(draw: st.DrawFn) -> ClusterState:
-    pp, dp, tp = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 2))
-    spares = draw(st.integers(0, 12))
-    devices = pp * dp * tp + spares
-    failed = draw(st.sets(st.integers(0, devices - 1), max_size=5))
-    return grid_state(
-        layers=pp * draw(st.integers(1, 3)),
-        pp=pp,
-        dp=dp,
-        tp=tp,
-        spares=spares,
-        devices_per_node=draw(st.sampled_from([2, 4, 8])),
-        failed=sorted(failed),
-    )
 
 
 def reference_feasible(state: ClusterState, *, plus: bool) -> bool:

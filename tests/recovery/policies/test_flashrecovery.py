@@ -6,7 +6,6 @@ import math
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
@@ -19,7 +18,7 @@ from controlplane.recovery.model import (
 from controlplane.recovery.policies import get
 from controlplane.recovery.policies.flashrecovery import FlashRecoveryPolicy
 from tests.recovery.builders import grid_state, uniform_profile
-from tests.recovery.policies.checks import assert_replaced_on_spares
+from tests.recovery.policies.checks import assert_replaced_on_spares, failed_states
 
 GB = 1e9
 
@@ -158,23 +157,6 @@ def test_lost_work_is_detection_plus_the_interrupted_step() -> None:
     step = estimate_step_time(state.profile, state.cluster, state.plan)
     assert candidate.transition.lost_work_s == pytest.approx(7 + step)
     assert candidate.est_step_time_s == pytest.approx(step)
-
-
-@st.composite
-def failed_states(draw: st.DrawFn) -> ClusterState:
-    pp, dp, tp = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 2))
-    spares = draw(st.integers(0, 12))
-    devices = pp * dp * tp + spares
-    failed = draw(st.sets(st.integers(0, devices - 1), max_size=5))
-    return grid_state(
-        layers=pp * draw(st.integers(1, 3)),
-        pp=pp,
-        dp=dp,
-        tp=tp,
-        spares=spares,
-        devices_per_node=draw(st.sampled_from([2, 4, 8])),
-        failed=sorted(failed),
-    )
 
 
 def reference_feasible(state: ClusterState) -> bool:
