@@ -51,6 +51,16 @@ def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False)
     }
 
 
+DEFAULT_POLICIES = "odyssey,oobleck,rerouting"
+
+
+def simulate(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the comparison, write summary.json, timeline.json and report.html; return the summary."""
+    from controlplane.recovery.simulator import command  # simpy and plotly load only here
+
+    return command.run(state, args)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="python -m controlplane.recovery",
@@ -72,6 +82,58 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="search every partition without pruning (reference mode; small clusters only)",
     )
+    sim = commands.add_parser(
+        "simulate",
+        help="every policy over the same failure traces: samples, downtime, report",
+        description="Discrete-event simulation of the scenario's job (docs/simulator.md).",
+    )
+    sim.add_argument("scenario", help="scenario JSON file (its plan is the starting plan)")
+    sim.add_argument("--out", required=True, metavar="DIR", help="directory for the results")
+    sim.add_argument("--hours", default="9", metavar="H", help="simulated hours (default 9)")
+    sim.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        metavar="A,B,…",
+        help=f"policies to compare; the ratios divide by the first (default {DEFAULT_POLICIES})",
+    )
+    sim.add_argument("--seeds", default="10", metavar="N", help="traces per policy (default 10)")
+    sim.add_argument("--seed", default="0", metavar="BASE", help="seed of the first trace")
+    sim.add_argument(
+        "--trace",
+        default="poisson",
+        metavar="poisson|weibull|csv:PATH",
+        help="how failures arrive: drawn per device, or replayed from a CSV file",
+    )
+    sim.add_argument(
+        "--failure-rate",
+        metavar="R",
+        help="failures per device-hour (default: the scenario's cluster failure rate)",
+    )
+    sim.add_argument("--weibull-shape", default="1", metavar="K", help="Weibull shape (default 1)")
+    sim.add_argument(
+        "--weibull-scale-hours", metavar="S", help="Weibull scale (default: keeps the mean gap)"
+    )
+    sim.add_argument(
+        "--node-failure-prob", default="0", metavar="P", help="share of failures taking a node"
+    )
+    sim.add_argument(
+        "--node-failure-rate", default="0", metavar="R", help="whole-node failures per node-hour"
+    )
+    sim.add_argument("--burst-prob", default="0", metavar="P", help="chance of a burst")
+    sim.add_argument("--burst-size", default="0", metavar="K", help="failures in a burst")
+    sim.add_argument(
+        "--burst-window-s", default="60", metavar="S", help="a burst's spread (default 60 s)"
+    )
+    sim.add_argument("--repair-hours", metavar="H", help="repair time (default: never)")
+    sim.add_argument(
+        "--repair-distribution",
+        default="fixed",
+        choices=["fixed", "exponential"],
+        help="repair time: exactly H, or exponential with mean H",
+    )
+    sim.add_argument("--spares", metavar="N", help="spare devices (default: cluster.spares)")
+    sim.add_argument("--save-traces", action="store_true", help="write each seed's trace as CSV")
+    sim.add_argument("--no-report", action="store_true", help="skip report.html")
     return root
 
 
@@ -81,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = load_scenario(args.scenario)
         if args.command == "estimate":
             result = estimate(state)
+        elif args.command == "simulate":
+            result = simulate(state, args)
         else:
             result = plan(state, args.policy or policies.names(), exhaustive=args.exhaustive)
     except RecoveryError as exc:

@@ -33,6 +33,7 @@ def peak_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
     peaks: dict[int, float] = {}
     extra_mb: dict[tuple[int, int], float] = {}
     replicas: dict[tuple[int, int], int] = {}
+    tp = plan.tp  # a property that walks the plan: read it once
     for pipeline in plan.pipelines:
         for i, stage in enumerate(pipeline.stages):
             if stage.rerouted:
@@ -45,7 +46,7 @@ def peak_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
                 i,
                 pipeline.depth,
                 pipeline.micro_batches,
-                plan.tp,
+                tp,
             )
             for device in stage.devices:
                 peaks[device] = bytes_
@@ -55,7 +56,7 @@ def peak_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
             if stage.rerouted or not lost:
                 continue
             share = math.ceil(lost / replicas[stage.layers])
-            extra = share * profile.activation_bytes(*stage.layers) / plan.tp
+            extra = share * profile.activation_bytes(*stage.layers) / tp
             for device in stage.devices:
                 peaks[device] += extra
     return peaks

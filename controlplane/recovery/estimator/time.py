@@ -197,7 +197,8 @@ def estimate_step_time(
     With free communication (no bandwidths) this is exactly eqs. 9-13. ``sync_s`` may be passed
     when the caller has already computed the gradient synchronisation time.
     """
-    compute = max(estimate_pipeline(profile, cluster, p, plan.tp) for p in plan.pipelines)
+    tp = plan.tp  # a property that walks the plan: read it once
+    compute = max(estimate_pipeline(profile, cluster, p, tp) for p in plan.pipelines)
     compute += rerouted_extra_time(profile, plan)
     if sync_s is None:
         sync_s = gradient_sync_time(profile, cluster, plan)
@@ -209,6 +210,32 @@ def ring_allreduce_s(nbytes: float, group_size: int, bandwidth_bytes_per_s: floa
     if group_size <= 1 or math.isinf(bandwidth_bytes_per_s):
         return 0.0
     return 2 * (group_size - 1) / group_size * nbytes / bandwidth_bytes_per_s
+
+
+def gradient_sync_floor_s(
+    profile: ModelProfile, cluster: Cluster, *, groups: int, dp: int, tp: int
+) -> float:
+    """A floor on ``gradient_sync_time`` of every plan of ``dp`` pipelines over ``groups`` groups.
+
+    Every layer is all-reduced over the dp disjoint groups holding it, and the segments one stage
+    holds go in different rounds (they share its devices), so the sync takes at least one stage's
+    gradients through a ring of dp groups at the fastest bandwidth such a ring can have. The
+    shortest pipeline has at most groups // dp stages, so one of its stages holds at least
+    ceil(L / (groups // dp)) consecutive layers.
+    """
+    if cluster.communication_is_free or dp <= 1 or groups < dp:
+        return 0.0
+
+    def bandwidth(gbps: float | None) -> float:
+        return math.inf if gbps is None else gbps * 1e9 / 8
+
+    fastest = bandwidth(cluster.inter_node_gbps)
+    if dp * tp <= cluster.devices_per_node:
+        fastest = max(fastest, bandwidth(cluster.intra_node_gbps))
+    layers = profile.layers
+    widest = -(-layers // min(groups // dp, layers))
+    least = min(profile.grad_bytes(i, i + widest) for i in range(layers - widest + 1))
+    return ring_allreduce_s(least / tp, dp, fastest)
 
 
 def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionPlan) -> float:
@@ -231,6 +258,7 @@ def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionP
         ]
     else:
         rounds = sync_rounds(plan)
+    tp = plan.tp
     total = 0.0
     for round_ in rounds:
         slowest = 0.0
@@ -238,7 +266,7 @@ def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionP
             bandwidth = cluster.group_bandwidth_bytes_per_s(
                 [d for group in segment.groups for d in group]
             )
-            nbytes = profile.grad_bytes(*segment.layers) / plan.tp
+            nbytes = profile.grad_bytes(*segment.layers) / tp
             slowest = max(slowest, ring_allreduce_s(nbytes, len(segment.groups), bandwidth))
         total += slowest
     return total

@@ -19,7 +19,10 @@ from controlplane.recovery.objective import expected_time_to_failure_s, objectiv
 class Policy(Protocol):
     """A recovery policy: proposes candidates for a failure, or explains why it cannot."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The registry name (read-only, so a class attribute satisfies it too)."""
+        ...
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
         """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from controlplane.recovery.estimator.time import gradient_sync_floor_s
 from controlplane.recovery.model import Candidate, ClusterState, Failure, TransitionCost
 from controlplane.recovery.objective import expected_time_to_failure_s
 from controlplane.recovery.planner import (
@@ -24,11 +25,20 @@ WINDOW_NODE_BUDGET = 5_000
 WINDOW_MIN_SCORED = 8
 
 
-def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) -> Candidate:
+# Reason of a re-plan that was not placed because another option's objective beats its bound.
+DOMINATED = "dominated"
+
+
+def plan_dynamic(
+    policy: str, state: ClusterState, *, exhaustive: bool = False, beat: float = 0.0
+) -> Candidate:
     """The re-plan with the best eq. 8 objective, weight transfer included.
 
     Eq. 8 is at most ``B/t_step × D/(D + fixed costs)``, so once one shape is scored, only shapes
-    whose step time could still beat it need their Kuhn-Munkres placement.
+    whose step time (compute plus a floor on gradient sync) could still beat it need their
+    Kuhn-Munkres placement. When even the fastest shape's bound is at most ``beat`` (another
+    option's objective), nothing is placed and the candidate is infeasible with a reason
+    starting with ``DOMINATED``.
     """
     groups = usable_groups(state)
     if not groups:
@@ -38,10 +48,11 @@ def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) 
         restart_s=state.assumptions.restart_s,
         lost_work_s=interrupted_work_s(state),
     )
+    widths = dp_window(state.plan.dp, len(groups))
     kwargs = {
         "groups": len(groups),
         "tp": state.plan.tp,
-        "dp_options": dp_window(state.plan.dp, len(groups)),
+        "dp_options": widths,
         "exhaustive": exhaustive,
     }
     first = search(state.profile, state.cluster, state.training, top_k=1, **kwargs)  # type: ignore[arg-type]
@@ -52,27 +63,47 @@ def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) 
             f"({state.training.micro_batches} micro-batches)",
         )
 
-    def evaluate(shape: PlanShape) -> Candidate:
-        plan, placement = realize(state, shape, groups)
-        return score(
-            policy,
-            state,
-            plan,
-            TransitionCost(
-                search_s=fixed.search_s,
-                weight_transfer_s=placement.transfer_s,
-                restart_s=fixed.restart_s,
-                lost_work_s=fixed.lost_work_s,
-            ),
-        )
-
-    best = evaluate(first.shapes[0])
-    if not best.feasible or best.objective <= 0:
-        return best
     t_state = expected_time_to_failure_s(
         state.cluster.failure_rate_per_device_hour, sum(len(g) for g in groups)
     )
     ratio = 1.0 if math.isinf(t_state) else t_state / (t_state + fixed.total_s)
+    # Every shape's step is at least its compute time plus the gradient sync all shapes pay.
+    sync_floor_s = min(
+        gradient_sync_floor_s(
+            state.profile, state.cluster, groups=len(groups), dp=dp, tp=state.plan.tp
+        )
+        for dp in widths
+    )
+    floor_s = first.shapes[0].compute_time_s + sync_floor_s
+    bound = state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+    if bound <= beat:
+        return Candidate.infeasible(
+            policy,
+            f"{DOMINATED}: no re-plan beats {beat:.4g} samples/s (a re-plan's step is at least "
+            f"{floor_s:.4g} s, compute plus gradient sync: at most {bound:.4g})",
+        )
+    scored: dict[PlanShape, Candidate] = {}
+
+    def evaluate(shape: PlanShape) -> Candidate:
+        # the window search finds the first shape again: place and score each shape once
+        if shape not in scored:
+            plan, placement = realize(state, shape, groups)
+            scored[shape] = score(
+                policy,
+                state,
+                plan,
+                TransitionCost(
+                    search_s=fixed.search_s,
+                    weight_transfer_s=placement.transfer_s,
+                    restart_s=fixed.restart_s,
+                    lost_work_s=fixed.lost_work_s,
+                ),
+            )
+        return scored[shape]
+
+    best = evaluate(first.shapes[0])
+    if not best.feasible or best.objective <= 0:
+        return best
     cut = state.training.global_batch / best.objective * ratio
     window = search(
         state.profile,
@@ -86,7 +117,7 @@ def plan_dynamic(policy: str, state: ClusterState, *, exhaustive: bool = False) 
     # Placements cost O(groups) and more at scale; small clusters score the whole window.
     limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, 4096 // len(groups))
     for shape in window.shapes[:limit]:  # fastest first
-        bound = state.training.global_batch / shape.compute_time_s * ratio
+        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
         if bound <= best.objective * (1 + 1e-12):
             break
         candidate = evaluate(shape)

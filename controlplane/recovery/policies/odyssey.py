@@ -6,16 +6,21 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from controlplane.recovery.model import Candidate, ClusterState, Failure
-from controlplane.recovery.policies.dynamic import plan_dynamic
+from controlplane.recovery.policies.dynamic import DOMINATED, plan_dynamic
 from controlplane.recovery.policies.rerouting import plan_rerouting
 
 
-def choose_family(policy: str, state: ClusterState, *, exhaustive: bool = False) -> Candidate:
-    """Compare the best rerouting and the best re-plan by eq. 8 and keep the better one."""
-    options = [
-        plan_rerouting(policy, state),
-        plan_dynamic(policy, state, exhaustive=exhaustive),
-    ]
+def choose_family(
+    policy: str, state: ClusterState, *, exhaustive: bool = False, dominance_cut: bool = True
+) -> Candidate:
+    """Compare the best rerouting and the best re-plan by eq. 8 and keep the better one.
+
+    With ``dominance_cut``, a re-plan whose eq. 8 bound cannot beat rerouting is not placed: the
+    choice is the same, and at thousands of devices placing it is most of the decision's time.
+    """
+    rerouting = plan_rerouting(policy, state)
+    beat = rerouting.objective if dominance_cut and not exhaustive and rerouting.feasible else 0.0
+    options = [rerouting, plan_dynamic(policy, state, exhaustive=exhaustive, beat=beat)]
     feasible = [c for c in options if c.feasible]
     if not feasible:
         reasons = "; ".join(
@@ -26,9 +31,13 @@ def choose_family(policy: str, state: ClusterState, *, exhaustive: bool = False)
     best = max(feasible, key=lambda c: c.objective)
     other = next(c for c in options if c is not best)
     family = best.plan.family.value if best.plan else "?"
-    note = f"{family} chosen by eq. 8 ({best.objective:.4g} samples/s effective) over " + (
-        f"{other.objective:.4g}" if other.feasible else f"an infeasible option: {other.reason}"
-    )
+    if other.feasible:
+        over = f"{other.objective:.4g}"
+    elif other.reason.startswith(DOMINATED):
+        over = f"re-planning, {other.reason}"
+    else:
+        over = f"an infeasible option: {other.reason}"
+    note = f"{family} chosen by eq. 8 ({best.objective:.4g} samples/s effective) over {over}"
     return replace(best, reason=note)
 
 
@@ -37,7 +46,12 @@ class OdysseyPolicy:
     """Adaptive selection between data rerouting and dynamic parallelism at every failure."""
 
     exhaustive: bool = False
+    dominance_cut: bool = True
     name: ClassVar[str] = "odyssey"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [choose_family(self.name, state, exhaustive=self.exhaustive)]
+        return [
+            choose_family(
+                self.name, state, exhaustive=self.exhaustive, dominance_cut=self.dominance_cut
+            )
+        ]

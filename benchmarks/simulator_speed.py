@@ -1,0 +1,122 @@
+"""Simulator speed: a 16,384-device Llama-2-7B job for 7 days at Meta's failure rate, Odyssey.
+
+Meta reports one failure about every 1.8 h on 16k GPUs (Llama 3 training), so each device fails
+at 1/(1.8·16384) per hour: about 93 failures in 7 days, every one a decision of the adaptive
+policy over the whole cluster. The target is under 60 s on one core. In the same run the
+benchmark simulates the same trace with Odyssey's dominance cut off (every failure places and
+scores the best re-plans with Kuhn-Munkres, as the core did before the simulator needed it) and
+reports the ratio; both runs must train the same samples, since the cut never changes a choice.
+
+    python -m benchmarks.simulator_speed [--sizes 16384] [--days 7] [--seed 1] [--no-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.planner_scaling import failed_state
+from controlplane.recovery.model import ClusterState
+from controlplane.recovery.policies.base import Policy
+from controlplane.recovery.policies.odyssey import OdysseyPolicy
+from controlplane.recovery.simulator.engine import simulate
+from controlplane.recovery.simulator.traces import TraceSpec, generate
+
+META_HOURS_BETWEEN_FAILURES_AT_16K = 1.8
+TARGET_S = 60.0
+
+
+def healthy_state(devices: int, rate: float) -> ClusterState:
+    """PP 8 × DP devices/8 Llama-2-7B, every device healthy, planning with the trace's rate."""
+    state = failed_state(devices)
+    cluster = replace(state.cluster, failure_rate_per_device_hour=rate)
+    return replace(state, failed=frozenset(), cluster=cluster)
+
+
+def timed(state: ClusterState, policy: Policy, spec: TraceSpec, days: float, seed: int) -> Any:
+    horizon = days * 24 * 3600.0
+    trace = generate(spec, state.cluster, horizon, seed)
+    wall, cpu = time.perf_counter(), time.process_time()
+    run = simulate(state, policy, trace, horizon, seed=seed)
+    return {
+        "wall_s": time.perf_counter() - wall,
+        "cpu_s": time.process_time() - cpu,
+        "failures": len(trace.failures),
+        "decisions": len(run.recoveries),
+        "samples": run.samples,
+        "families": sorted({r.family or "-" for r in run.recoveries}),
+    }
+
+
+def measure(devices: int, days: float, seed: int, baseline: bool) -> dict[str, Any]:
+    rate = 1 / (META_HOURS_BETWEEN_FAILURES_AT_16K * 16384)
+    state = healthy_state(devices, rate)
+    spec = TraceSpec(failure_rate_per_device_hour=rate)
+    row: dict[str, Any] = {
+        "devices": devices,
+        "days": days,
+        "seed": seed,
+        "rate_per_device_hour": rate,
+    }
+    row["cut"] = timed(state, OdysseyPolicy(), spec, days, seed)
+    if baseline:
+        row["no_cut"] = timed(state, OdysseyPolicy(dominance_cut=False), spec, days, seed)
+        row["ratio_no_cut_over_cut"] = row["no_cut"]["cpu_s"] / row["cut"]["cpu_s"]
+        row["same_samples"] = row["no_cut"]["samples"] == row["cut"]["samples"]
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'devices':>8} {'days':>5} {'decisions':>9} {'wall s':>8} {'cpu s':>8} "
+        f"{'s/decision':>10} {'< 60 s':>6} {'no-cut cpu s':>12} {'ratio':>6} {'same samples':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cut = r["cut"]
+        per = cut["cpu_s"] / max(cut["decisions"], 1)
+        base = r.get("no_cut")
+        base_s = f"{base['cpu_s']:.1f}" if base else "-"
+        ratio = f"{r['ratio_no_cut_over_cut']:.1f}x" if base else "-"
+        same = str(r["same_samples"]).lower() if base else "-"
+        ok = "yes" if cut["cpu_s"] < TARGET_S else "no"
+        lines.append(
+            f"{r['devices']:>8} {r['days']:>5g} {cut['decisions']:>9} {cut['wall_s']:>8.1f} "
+            f"{cut['cpu_s']:>8.1f} {per:>10.3f} {ok:>6} {base_s:>12} {ratio:>6} {same:>12}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="16384", help="comma-separated device counts")
+    parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run without the cut")
+    parser.add_argument("--out", default="benchmarks/results", metavar="DIR")
+    args = parser.parse_args()
+    rows = []
+    for devices in (int(s) for s in args.sizes.split(",")):
+        rows.append(measure(devices, args.days, args.seed, not args.no_baseline))
+        print(table(rows).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "simulator_speed.json"
+    path.write_text(
+        json.dumps(
+            {"machine": platform.machine(), "python": platform.python_version(), "rows": rows},
+            indent=2,
+        )
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Discrete-event simulator: every policy over the same failure traces, samples and downtime."""

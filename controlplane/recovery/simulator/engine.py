@@ -1,0 +1,289 @@
+"""The discrete-event engine (simpy): one policy's job living through one failure trace."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import replace
+from enum import Enum
+from typing import Any
+
+import simpy
+
+from controlplane.recovery import policies
+from controlplane.recovery.cli import best_index
+from controlplane.recovery.model import (
+    Candidate,
+    ClusterState,
+    Failure,
+    FailureKind,
+    TransitionCost,
+)
+from controlplane.recovery.policies.base import Policy, interrupted_work_s
+from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
+from controlplane.recovery.simulator.timeline import Cause, Recovery, Run, Segment
+from controlplane.recovery.simulator.traces import Trace, TraceFailure
+
+# At equal times a repair runs before a failure, so a device may come back and fail at once.
+_REPAIR, _FAIL = 0, 1
+
+Progress = Callable[[float], None]
+
+
+class _Mode(Enum):
+    RUNNING = "running"
+    TRANSITION = "transition"
+    WAITING = "waiting"
+
+
+def trace_events(trace: Trace) -> list[tuple[float, int, int, TraceFailure]]:
+    """Failures and the repairs they imply, in the order the engine applies them."""
+    events = []
+    for i, f in enumerate(trace.failures):
+        events.append((f.time_s, _FAIL, i, f))
+        if f.repair_s is not None:
+            events.append((f.repaired_at_s, _REPAIR, i, f))
+    events.sort(key=lambda e: e[:3])
+    return events
+
+
+def transition_pieces(state: ClusterState, cost: TransitionCost) -> list[tuple[Cause, float]]:
+    """A transition split for the timeline, in the order it happens.
+
+    Every policy counts detection inside its lost work (policies.base.interrupted_work_s: the
+    fault goes unnoticed for detection_s, then the interrupted step is redone), so detection is
+    cut out of it and shown first; lost work comes last, as the redone steps run after restart.
+    """
+    detection = min(state.assumptions.detection_s, cost.lost_work_s)
+    return [
+        (Cause.DETECTION, detection),
+        (Cause.PLANNING, cost.search_s),
+        (Cause.WEIGHT_TRANSFER, cost.weight_transfer_s),
+        (Cause.RESTART, cost.restart_s),
+        (Cause.LOST_WORK, cost.lost_work_s - detection),
+    ]
+
+
+class _Job:
+    """The training job under one policy: runs its plan, stops for transitions or waits."""
+
+    def __init__(self, env: simpy.Environment, state: ClusterState, policy: Policy) -> None:
+        self.env = env
+        self.name = policy.name
+        self.policy = policy
+        self.state = state
+        self.plan_devices = state.plan.devices()
+        self.step_s = starting_step_s(self.name, state)
+        self.effective_s = effective_step_s(self.name, state, self.step_s)
+        self.mode = _Mode.RUNNING
+        self.since = 0.0
+        self.segments: list[Segment] = []
+        self.recoveries: list[Recovery] = []
+        # failed devices of the plan not handled yet, and the trace failures they came with
+        self.hit: set[int] = set()
+        self.hit_by: list[TraceFailure] = []
+        self.unresolved: Failure | None = None
+        self.wake = env.event()
+
+    # --- events from the trace -------------------------------------------------------------
+
+    def fail(self, f: TraceFailure) -> None:
+        self.state = replace(self.state, failed=self.state.failed.union(f.devices))
+        touched = self.plan_devices.intersection(f.devices)
+        if not touched:
+            return  # a spare or idle device: it just leaves the pool
+        self.hit |= touched
+        self.hit_by.append(f)
+        if self.mode is not _Mode.TRANSITION:
+            self._wake()
+
+    def repair(self, f: TraceFailure) -> None:
+        self.state = replace(self.state, failed=self.state.failed.difference(f.devices))
+        self.hit.difference_update(f.devices)
+        if self.mode is _Mode.WAITING:
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    # --- the job's life --------------------------------------------------------------------
+
+    def life(self) -> Generator[simpy.Event, Any, None]:
+        while True:
+            yield self.wake
+            self.wake = self.env.event()
+            after_wait = self.mode is _Mode.WAITING
+            if after_wait:
+                assert self.unresolved is not None
+                failure = self._merge(self.unresolved)
+            else:
+                self._close(Cause.RUNNING)
+                failure = self._merge(None)
+            while failure is not None:
+                candidate = self._decide(failure, after_wait=after_wait)
+                if candidate is None:
+                    if not after_wait:
+                        self.mode, self.since = _Mode.WAITING, self.env.now
+                    self.unresolved = failure  # with whatever joined it while waiting
+                    break
+                if after_wait:
+                    self._close(Cause.INFEASIBLE)
+                    self.unresolved = None
+                end = self._start_transition(candidate, failure, after_wait=after_wait)
+                if end > self.env.now:
+                    yield self.env.timeout(end - self.env.now)
+                self.mode, self.since = _Mode.RUNNING, self.env.now
+                # failures that hit the new plan during the transition are handled now
+                failure, after_wait = self._merge(None), False
+
+    def _merge(self, pending: Failure | None) -> Failure | None:
+        """One failure for the policy: ``pending`` plus the plan's devices hit since."""
+        hit = {d for d in self.hit if d in self.state.failed}
+        if not hit and pending is None:
+            self.hit_by.clear()
+            return None
+        devices = set(pending.devices) if pending else set()
+        kinds = {pending.kind} if pending else set()
+        for f in self.hit_by:
+            devices.update(d for d in f.devices if d in self.state.failed)
+            kinds.add(f.kind)
+        self.hit.clear()
+        self.hit_by.clear()
+        return Failure(
+            kind=kinds.pop() if len(kinds) == 1 else FailureKind.CRASH,
+            devices=frozenset(devices),
+            detected_at_s=self.env.now,
+            detected_by="simulator",
+        )
+
+    def _decide(self, failure: Failure, *, after_wait: bool) -> Candidate | None:
+        candidates = self.policy.propose(self.state, failure)
+        index = best_index(candidates)
+        if index is None:
+            if not after_wait:  # one infeasible state per wait, however many repairs it sees
+                reasons = "; ".join(dict.fromkeys(c.reason for c in candidates))
+                self.recoveries.append(
+                    Recovery(
+                        at_s=self.env.now,
+                        devices=tuple(sorted(failure.devices)),
+                        kind=failure.kind.value,
+                        feasible=False,
+                        reason=reasons,
+                        step_before_s=self.step_s,
+                    )
+                )
+            return None
+        return candidates[index]
+
+    def _start_transition(
+        self, candidate: Candidate, failure: Failure, *, after_wait: bool
+    ) -> float:
+        """Switch to the candidate's plan; the job is down until the returned time."""
+        assert candidate.plan is not None
+        cost = candidate.transition
+        if after_wait and cost.total_s == 0:
+            # The repair gave the plan its own devices back, so the policy sees nothing to do;
+            # the stopped job still restarts and redoes its interrupted step (docs/simulator.md).
+            cost = TransitionCost(
+                restart_s=self.state.assumptions.restart_s,
+                lost_work_s=interrupted_work_s(self.state),
+            )
+        pieces = transition_pieces(self.state, cost)
+        plan_devices = candidate.plan.devices()
+        now = self.env.now
+        self.recoveries.append(
+            Recovery(
+                at_s=now,
+                devices=tuple(sorted(failure.devices)),
+                kind=failure.kind.value,
+                feasible=True,
+                reason=candidate.reason,
+                family=candidate.plan.family.value,
+                transition=tuple(pieces),
+                step_before_s=self.step_s,
+                step_after_s=candidate.est_step_time_s,
+                plan_devices=len(plan_devices),
+                after_wait=after_wait,
+            )
+        )
+        self.state = self.state.with_plan(candidate.plan)
+        self.plan_devices = plan_devices
+        self.step_s = candidate.est_step_time_s
+        self.effective_s = effective_step_s(self.name, self.state, self.step_s)
+        self.mode = _Mode.TRANSITION
+        t = now
+        for cause, seconds in pieces:
+            if seconds > 0:
+                self.segments.append(Segment(t, t + seconds, cause))
+                t += seconds
+        return t
+
+    def _close(self, cause: Cause) -> None:
+        now = self.env.now
+        if now > self.since:
+            step = self.effective_s if cause is Cause.RUNNING else math.inf
+            self.segments.append(Segment(self.since, now, cause, step))
+        self.since = now
+
+    def finish(self, horizon_s: float, seed: int) -> Run:
+        if self.mode is _Mode.RUNNING:
+            self._close(Cause.RUNNING)
+        elif self.mode is _Mode.WAITING:
+            self._close(Cause.INFEASIBLE)
+        clipped = tuple(
+            replace(s, end_s=min(s.end_s, horizon_s))
+            for s in self.segments
+            if s.start_s < horizon_s
+        )
+        return Run(
+            policy=self.name,
+            seed=seed,
+            horizon_s=horizon_s,
+            global_batch=self.state.training.global_batch,
+            segments=clipped,
+            recoveries=tuple(r for r in self.recoveries if r.at_s < horizon_s),
+        )
+
+
+def _feed(
+    env: simpy.Environment,
+    job: _Job,
+    events: Iterator[tuple[float, int, int, TraceFailure]],
+    progress: Progress | None,
+) -> Generator[simpy.Event, Any, None]:
+    for time_s, what, _, failure in events:
+        if time_s > env.now:
+            yield env.timeout(time_s - env.now)
+        if what == _FAIL:
+            job.fail(failure)
+        else:
+            job.repair(failure)
+        if progress is not None:
+            progress(env.now)
+
+
+def simulate(
+    state: ClusterState,
+    policy: str | Policy,
+    trace: Trace,
+    horizon_s: float,
+    *,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Run:
+    """Run ``policy`` from the scenario's plan, every device healthy, through ``trace``.
+
+    ``policy`` is a registered name or a policy object (e.g. one built with options). Nothing
+    here is random or reads a clock: the same inputs give the same run.
+    """
+    env = simpy.Environment()
+    chosen = policies.get(policy) if isinstance(policy, str) else policy
+    job = _Job(env, replace(state, failed=frozenset()), chosen)
+    env.process(job.life())
+    events = (e for e in trace_events(trace) if e[0] < horizon_s)
+    env.process(_feed(env, job, events, progress))
+    env.run(until=horizon_s)
+    if progress is not None:
+        progress(horizon_s)
+    return job.finish(horizon_s, seed)

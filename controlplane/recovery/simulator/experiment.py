@@ -1,0 +1,98 @@
+"""A comparison: every policy over the same trace per seed, for a number of seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from controlplane.recovery import policies
+from controlplane.recovery.errors import InvalidScenario
+from controlplane.recovery.model import ClusterState
+from controlplane.recovery.simulator.engine import simulate
+from controlplane.recovery.simulator.timeline import Run
+from controlplane.recovery.simulator.traces import SECONDS_PER_HOUR, Trace, TraceSpec, generate
+
+# (policy, seed, simulated seconds so far) → None; for progress bars
+Progress = Callable[[str, int, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Experiment:
+    """What to compare: ``policies`` (the first is the reference of the ratios) over ``seeds``
+    traces, each drawn from ``trace`` with seed ``base_seed + i``, or one replayed trace."""
+
+    hours: float
+    policies: tuple[str, ...]
+    trace: TraceSpec | Trace
+    seeds: int = 1
+    base_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.hours > 0:
+            raise InvalidScenario(f"must be > 0, got {self.hours}", field="--hours")
+        if self.seeds < 1:
+            raise InvalidScenario(f"must be ≥ 1, got {self.seeds}", field="--seeds")
+        if not self.policies:
+            raise InvalidScenario("names no policy", field="--policies")
+        if len(set(self.policies)) != len(self.policies):
+            raise InvalidScenario("names a policy twice", field="--policies")
+        for name in self.policies:
+            policies.get(name)  # an unknown name fails here, listing the known ones
+
+    @property
+    def horizon_s(self) -> float:
+        return self.hours * SECONDS_PER_HOUR
+
+    def trace_for(self, state: ClusterState, seed: int) -> Trace:
+        if isinstance(self.trace, Trace):
+            return self.trace.within(self.horizon_s)
+        return generate(self.trace, state.cluster, self.horizon_s, seed)
+
+    def parameters(self) -> dict[str, Any]:
+        trace: dict[str, Any] = (
+            {"replay": len(self.trace.failures)}
+            if isinstance(self.trace, Trace)
+            else {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(self.trace).items()}
+        )
+        return {
+            "hours": self.hours,
+            "policies": list(self.policies),
+            "seeds": self.seeds,
+            "base_seed": self.base_seed,
+            "trace": trace,
+        }
+
+
+def planning_rate(state: ClusterState, experiment: Experiment) -> ClusterState:
+    """The state with the failure rate policies plan with (eq. 8's t_state) set to the trace's.
+
+    A drawn trace's per-device rate replaces the scenario's; a replayed trace keeps it.
+    """
+    if isinstance(experiment.trace, Trace):
+        return state
+    rate = 1 / experiment.trace.mean_gap_hours
+    return replace(state, cluster=replace(state.cluster, failure_rate_per_device_hour=rate))
+
+
+def run_experiment(
+    state: ClusterState, experiment: Experiment, *, progress: Progress | None = None
+) -> tuple[dict[str, list[Run]], list[Trace]]:
+    """Runs per policy (in seed order) and the trace of each seed."""
+    state = planning_rate(state, experiment)
+    runs: dict[str, list[Run]] = {name: [] for name in experiment.policies}
+    traces = []
+    for i in range(experiment.seeds):
+        seed = experiment.base_seed + i
+        trace = experiment.trace_for(state, seed)
+        traces.append(trace)
+        for name in experiment.policies:
+            tick = None if progress is None else _ticker(progress, name, seed)
+            runs[name].append(
+                simulate(state, name, trace, experiment.horizon_s, seed=seed, progress=tick)
+            )
+    return runs, traces
+
+
+def _ticker(progress: Progress, name: str, seed: int) -> Callable[[float], None]:
+    return lambda now: progress(name, seed, now)

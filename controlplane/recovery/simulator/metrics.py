@@ -1,0 +1,80 @@
+"""Aggregates over seeds: per-policy means and 95% intervals, ratios, curves for the report."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from itertools import pairwise
+from typing import Any
+
+from scipy.stats import t as student_t
+
+from controlplane.recovery.simulator.timeline import DOWN_CAUSES, Run
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float, float]:
+    """Mean and the two ends of its 95% Student-t interval (a point for a single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    half = float(student_t.ppf(0.975, len(values) - 1)) * statistics.stdev(values)
+    half /= math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def policy_summary(runs: Sequence[Run]) -> dict[str, Any]:
+    """The summary.json entry of one policy over its seeds."""
+    mean, lo, hi = mean_ci95([r.samples for r in runs])
+    by_cause = [r.downtime_by_cause_s() for r in runs]
+    return {
+        "samples_mean": mean,
+        "samples_ci95": [lo, hi],
+        "throughput_mean": statistics.fmean(r.throughput for r in runs),
+        "downtime_s_mean": statistics.fmean(r.downtime_s for r in runs),
+        "recoveries_mean": statistics.fmean(r.recovery_count for r in runs),
+        "infeasible_mean": statistics.fmean(r.infeasible_count for r in runs),
+        "downtime_by_cause_s_mean": {
+            cause.value: statistics.fmean(b[cause.value] for b in by_cause) for cause in DOWN_CAUSES
+        },
+        "seeds": len(runs),
+    }
+
+
+def summarize(
+    runs: Mapping[str, Sequence[Run]], parameters: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``summary.json``: per-policy figures and each one's ratio to the first policy.
+
+    A ratio is samples_mean of the first policy over samples_mean of the policy; null when the
+    policy trained nothing.
+    """
+    table = {name: policy_summary(policy_runs) for name, policy_runs in runs.items()}
+    first = next(iter(table.values()))["samples_mean"] if table else 0.0
+    ratios = {
+        name: first / entry["samples_mean"] if entry["samples_mean"] > 0 else None
+        for name, entry in table.items()
+    }
+    out: dict[str, Any] = {"policies": table, "ratios": ratios}
+    if parameters is not None:
+        out["parameters"] = dict(parameters)
+    return out
+
+
+def time_grid(horizon_s: float, points: int = 200) -> list[float]:
+    return [horizon_s * i / (points - 1) for i in range(points)]
+
+
+def mean_cumulative_samples(runs: Sequence[Run], times_s: list[float]) -> list[float]:
+    """Samples trained by each time, averaged over the runs (seeds) of one policy."""
+    curves = [r.cumulative_samples(times_s) for r in runs]
+    return [statistics.fmean(values) for values in zip(*curves, strict=True)]
+
+
+def mean_throughput(runs: Sequence[Run], times_s: list[float]) -> list[float]:
+    """Samples per second in each interval between consecutive grid times, seed-averaged."""
+    done = mean_cumulative_samples(runs, times_s)
+    return [
+        (b - a) / (t1 - t0) if t1 > t0 else 0.0
+        for (a, b), (t0, t1) in zip(pairwise(done), pairwise(times_s), strict=True)
+    ]
