@@ -6,11 +6,13 @@ a layer split per pipeline. The search visits shapes for DP widths near the old 
 * ``distribute_batch`` is Algorithm 1's rule: shares by pipeline length, leftovers one by one in
   list order (longest first), then refill of empty pipelines from the largest.
 * a pipeline of S stages with m micro-batches gets the best even layer split: every placement of
-  the remainder layers, memory-checked with eq. 14 and timed with eq. 11, memoised on (S, m).
-* the fast search enumerates partitions longest part first and prunes every branch whose lower
-  bound (the best time its longest pipelines can reach with their guaranteed micro-batches) cannot
-  beat the threshold; ``exhaustive`` enumerates every partition without pruning or memo, which is
-  the straightforward Algorithm 1 that tests and benchmarks compare against.
+  the remainder layers (at most ``MAX_PLACEMENTS``), memory-checked with eq. 14 and timed with
+  eq. 11, all placements at once as numpy rows, memoised on (S, m).
+* the fast search enumerates partitions as counts per pipeline length, longest first, and prunes
+  every length whose bound (the best time its pipelines can reach with the micro-batches they
+  surely get, leftovers included) cannot beat the threshold. ``exhaustive`` enumerates every
+  partition without pruning; with ``memo=False`` every pipeline's every split is also simulated
+  on its own, which is the straightforward Algorithm 1 that benchmarks compare against.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy.typing as npt
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.estimator.memory import stage_peak_bytes
-from controlplane.recovery.estimator.time import cached_pipeline_time, pipeline_time
+from controlplane.recovery.estimator.time import pipeline_time
 from controlplane.recovery.model import (
     Cluster,
     ClusterState,
@@ -148,21 +150,6 @@ class PipelineOracle:
         self.memo = memo
         self._best: dict[tuple[int, int], tuple[float, Layers] | None] = {}
 
-    def fits(self, split: Layers, micro_batches: int) -> bool:
-        stages = len(split)
-        return all(
-            stage_peak_bytes(self.profile, layers, i, stages, micro_batches, self.tp)
-            <= self.capacity
-            for i, layers in enumerate(split)
-        )
-
-    def time(self, split: Layers, micro_batches: int) -> float:
-        t_f = tuple(self.profile.fwd(*layers) for layers in split)
-        t_b = tuple(self.profile.bwd(*layers) for layers in split)
-        if not self.memo:
-            return pipeline_time(t_f, t_b, micro_batches)
-        return cached_pipeline_time(t_f, t_b, micro_batches, (0.0,) * (len(split) - 1))
-
     def best(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
         """Least (time, split) over memory-feasible even splits; None when none fits."""
         key = (stages, micro_batches)
@@ -174,12 +161,26 @@ class PipelineOracle:
         return found
 
     def _search(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
-        if not self.memo:
-            feasible = [
-                s for s in even_splits(self.profile.layers, stages) if self.fits(s, micro_batches)
-            ]
-            return min(((self.time(s, micro_batches), s) for s in feasible), default=None)
-        return self._search_together(stages, micro_batches)
+        if self.memo:
+            return self._search_together(stages, micro_batches)
+        # The straightforward Algorithm 1: every split checked and simulated on its own.
+        feasible = [
+            s for s in even_splits(self.profile.layers, stages) if self._fits(s, micro_batches)
+        ]
+        return min(((self._time(s, micro_batches), s) for s in feasible), default=None)
+
+    def _fits(self, split: Layers, micro_batches: int) -> bool:
+        stages = len(split)
+        return all(
+            stage_peak_bytes(self.profile, layers, i, stages, micro_batches, self.tp)
+            <= self.capacity
+            for i, layers in enumerate(split)
+        )
+
+    def _time(self, split: Layers, micro_batches: int) -> float:
+        t_f = [self.profile.fwd(*layers) for layers in split]
+        t_b = [self.profile.bwd(*layers) for layers in split]
+        return pipeline_time(t_f, t_b, micro_batches)
 
     def _fitting_splits(self, stages: int, micro_batches: int) -> tuple[IntArray, IntArray] | None:
         """Start and end layers (rows = splits) of the even splits that fit memory (eq. 14)."""
