@@ -11,7 +11,7 @@ For each cluster size, one device of a PP × DP Llama-2-7B job fails and we time
   rule, and every remainder placement of every pipeline timed with eq. 11, nothing memoised or
   pruned. It stops at ``--baseline-budget`` seconds; a cut run gives a lower bound on the ratio.
 
-    python benchmarks/planner_scaling.py [--sizes 32,64,...] [--out DIR]
+    python -m benchmarks.planner_scaling [--sizes 32,64,...] [--out DIR]
 """
 
 from __future__ import annotations

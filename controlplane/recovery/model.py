@@ -212,6 +212,9 @@ class Assumptions:
     # Table 2 (k_cf = 25; CheckFree+ k_cfp = 12.5, its swap overhead being paid all along).
     checkfree_penalty_steps: float = 25.0
     checkfree_plus_penalty_steps: float = 12.5
+    # CheckFree §6.5: the swap schedule's standing inflation of the steps to converge, s ≈ 0.23
+    # from the same fit, paid by CheckFree+ whether or not anything fails (Fig. 5b).
+    checkfree_plus_step_inflation: float = 0.23
     # CheckFree §3, §6.6: bytes of the embedding/LM head that CheckFree+ replicates next door;
     # the profile does not single them out, so 0 unless the scenario says.
     embedding_bytes: float = 0.0

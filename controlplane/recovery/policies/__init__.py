@@ -57,5 +57,6 @@ for _name, _target in [
     ("varuna", _P + "varuna:VarunaPolicy"),
 ]:
     register(_name, _target)
+register("pitstop", _P + "pitstop:PitstopPolicy", options=_PLANNING)
 
 __all__ = ["Policy", "get", "names", "register"]

@@ -8,6 +8,7 @@ from itertools import pairwise
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
+    Assumptions,
     Candidate,
     ClusterState,
     ExecutionPlan,
@@ -176,6 +177,15 @@ def plan_checkfree(policy: str, state: ClusterState, *, plus: bool) -> Candidate
         lost_work_s=interrupted_work_s(state) + k * step_s * rebuilt,
     )
     return score(policy, state, replacement.plan, transition, extra_memory_bytes=extra_memory)
+
+
+def swap_step_inflation(assumptions: Assumptions) -> float:
+    """Factor on the steps CheckFree+ needs to converge, failures or not: 1 + s (§6.5).
+
+    The out-of-order swap costs no iteration time (§3, Table 1) but slows convergence (Fig. 5b);
+    the simulator charges it as fewer useful samples per step (``simulator.overheads``).
+    """
+    return 1 + assumptions.checkfree_plus_step_inflation
 
 
 class CheckFreePolicy:

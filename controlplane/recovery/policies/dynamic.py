@@ -30,7 +30,12 @@ DOMINATED = "dominated"
 
 
 def plan_dynamic(
-    policy: str, state: ClusterState, *, exhaustive: bool = False, beat: float = 0.0
+    policy: str,
+    state: ClusterState,
+    *,
+    exhaustive: bool = False,
+    beat: float = 0.0,
+    include_spares: bool = False,
 ) -> Candidate:
     """The re-plan with the best eq. 8 objective, weight transfer included.
 
@@ -38,9 +43,9 @@ def plan_dynamic(
     whose step time (compute plus a floor on gradient sync) could still beat it need their
     Kuhn-Munkres placement. When even the fastest shape's bound is at most ``beat`` (another
     option's objective), nothing is placed and the candidate is infeasible with a reason
-    starting with ``DOMINATED``.
+    starting with ``DOMINATED``. ``include_spares`` lets the re-plan use the spare devices too.
     """
-    groups = usable_groups(state)
+    groups = usable_groups(state, include_spares=include_spares)
     if not groups:
         return Candidate.infeasible(policy, "no healthy device group left")
     fixed = TransitionCost(

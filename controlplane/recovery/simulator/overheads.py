@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.policies.bamboo import redundancy_step_factor
+from controlplane.recovery.policies.checkfree import swap_step_inflation
 from controlplane.recovery.policies.varuna import checkpoint_overhead, checkpoint_write_s
 
 # Factors on the failure-free step of the starting plan. Candidates already carry them.
@@ -29,6 +30,14 @@ _BUSY_SHARE: Mapping[str, Callable[[ClusterState, float], float]] = {
 }
 
 
+# Factors on the steps needed to converge: each step yields fewer useful samples. Candidates
+# leave them out.
+_CONVERGENCE_FACTOR: Mapping[str, Callable[[ClusterState], float]] = {
+    # CheckFree+: the swap schedule's standing inflation s (checkfree.md §6.5)
+    "checkfree_plus": lambda state: swap_step_inflation(state.assumptions),
+}
+
+
 def starting_step_s(policy: str, state: ClusterState) -> float:
     """Step time of the scenario's plan under ``policy`` before any failure."""
     step_s = estimate_step_time(state.profile, state.cluster, state.plan)
@@ -41,6 +50,9 @@ def effective_step_s(policy: str, state: ClusterState, step_s: float) -> float:
 
     The samples a segment yields are B·Δt / this; it equals ``step_s`` for most policies.
     """
+    convergence = _CONVERGENCE_FACTOR.get(policy)
+    if convergence is not None:
+        step_s *= convergence(state)
     share = _BUSY_SHARE.get(policy)
     if share is None:
         return step_s
