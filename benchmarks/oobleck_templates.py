@@ -53,9 +53,7 @@ developers' guide's bar is 58 s for 80 layers on 64 nodes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -64,6 +62,7 @@ from typing import Any, NamedTuple
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results import write_results
 from controlplane.recovery import templates as core
 from controlplane.recovery.model import ModelProfile
 
@@ -332,22 +331,10 @@ def main() -> None:
         print(table(rows).splitlines()[-1], flush=True)
     print()
     print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "oobleck_templates.json"
-    path.write_text(
-        json.dumps(
-            {
-                "machine": platform.machine(),
-                "python": platform.python_version(),
-                "model": profile.name,
-                "baseline_budget_s": args.baseline_budget,
-                "rows": rows,
-            },
-            indent=2,
-        )
+    write_results(
+        Path(args.out) / "oobleck_templates.json",
+        {"model": profile.name, "baseline_budget_s": args.baseline_budget, "rows": rows},
     )
-    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ For each cluster size, one device of a PP × DP Llama-2-7B job fails and we time
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_results
 from controlplane.recovery.model import (
     Assumptions,
     Cluster,
@@ -175,16 +174,7 @@ def main() -> None:
         print(table(rows).splitlines()[-1], flush=True)
     print()
     print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "planner_scaling.json"
-    path.write_text(
-        json.dumps(
-            {"machine": platform.machine(), "python": platform.python_version(), "rows": rows},
-            indent=2,
-        )
-    )
-    print(f"\nwrote {path}")
+    write_results(Path(args.out) / "planner_scaling.json", {"rows": rows})
 
 
 if __name__ == "__main__":

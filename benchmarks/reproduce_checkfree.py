@@ -33,13 +33,13 @@ Methods (the label, then what runs):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_results
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
 from controlplane.recovery.policies.bamboo import BambooPolicy, redundancy_step_factor
@@ -276,10 +276,7 @@ def main() -> None:
         "per_rate": results,
         "elapsed_s": elapsed,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_results
 from controlplane.recovery import policies
 from controlplane.recovery.cli import best_index
 from controlplane.recovery.estimator import estimate_step_time
@@ -251,10 +252,7 @@ def main() -> None:
         "rows": rows,
         "elapsed_s": elapsed,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ with a 95 % Student-t interval of the per-seed ratio. Assumptions: docs/reproduc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_results
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.scenario import load_scenario
 from controlplane.recovery.simulator.experiment import Experiment, run_experiment
@@ -189,8 +189,6 @@ def main(argv: list[str] | None = None) -> None:
             result = run_setting(base, setting, args.seeds)
             print_row(result)
             results.append(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "paper": PAPER,
         "scenario": str(Path(args.scenario).relative_to(ROOT))
@@ -200,8 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         "seeds": args.seeds,
         "results": results,
     }
-    out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    print(f"wrote {out}")
+    write_results(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_results
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import (
     Cluster,
@@ -434,9 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "elapsed_s": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out} in {result['elapsed_s']:.1f} s")
+    write_results(args.out, result)
     return result
 
 

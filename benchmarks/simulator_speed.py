@@ -13,14 +13,13 @@ reports the ratio; both runs must train the same samples, since the cut never ch
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.planner_scaling import failed_state
+from benchmarks.results import write_results
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.policies.base import Policy
 from controlplane.recovery.policies.odyssey import OdysseyPolicy
@@ -106,16 +105,7 @@ def main() -> None:
         print(table(rows).splitlines()[-1], flush=True)
     print()
     print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "simulator_speed.json"
-    path.write_text(
-        json.dumps(
-            {"machine": platform.machine(), "python": platform.python_version(), "rows": rows},
-            indent=2,
-        )
-    )
-    print(f"\nwrote {path}")
+    write_results(Path(args.out) / "simulator_speed.json", {"rows": rows})
 
 
 if __name__ == "__main__":
