@@ -57,6 +57,7 @@ for _name, _target in [
     ("varuna", _P + "varuna:VarunaPolicy"),
 ]:
     register(_name, _target)
+# Pitstop's own policy comes after the papers' (docs/reproduction/odyssey.md).
 register("pitstop", _P + "pitstop:PitstopPolicy", options=_PLANNING)
 
 __all__ = ["Policy", "get", "names", "register"]
