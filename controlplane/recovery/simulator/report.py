@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -135,7 +134,7 @@ def write_report(
     parts = [
         fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)
     ]
-    ratios = json.dumps(summary["ratios"], indent=1)
+    ratios = ", ".join(f"{name} {ratio:.3f}×" for name, ratio in summary["ratios"].items())
     path.write_text(
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title></head><body>"
