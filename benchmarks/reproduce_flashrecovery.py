@@ -28,9 +28,9 @@ from typing import Any
 
 from benchmarks.results import write_results
 from controlplane.recovery import policies
-from controlplane.recovery.cli import best_index
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
+from controlplane.recovery.objective import best_index
 from controlplane.recovery.scenario import build_state, load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent

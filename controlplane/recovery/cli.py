@@ -13,6 +13,7 @@ from controlplane.recovery import policies
 from controlplane.recovery.errors import RecoveryError
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
+from controlplane.recovery.objective import best_index
 from controlplane.recovery.scenario import load_scenario
 
 EXIT_BAD_INPUT = 2
@@ -25,15 +26,6 @@ def estimate(state: ClusterState) -> dict[str, Any]:
         "est_step_time_s": estimate_step_time(state.profile, state.cluster, state.plan),
         "peak_memory_bytes": {str(d): b for d, b in sorted(peaks.items())},
     }
-
-
-def best_index(candidates: Sequence[Candidate]) -> int | None:
-    """Index of the feasible candidate with the highest objective (first one on ties)."""
-    best: int | None = None
-    for i, c in enumerate(candidates):
-        if c.feasible and (best is None or c.objective > candidates[best].objective):
-            best = i
-    return best
 
 
 def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from typing import Any
 import simpy
 
 from controlplane.recovery import policies
-from controlplane.recovery.cli import best_index
 from controlplane.recovery.model import (
     Candidate,
     ClusterState,
@@ -19,6 +18,7 @@ from controlplane.recovery.model import (
     FailureKind,
     TransitionCost,
 )
+from controlplane.recovery.objective import best_index
 from controlplane.recovery.policies.base import Policy, interrupted_work_s
 from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
 from controlplane.recovery.simulator.timeline import Cause, Recovery, Run, Segment
