@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from controlplane.recovery import policies
+from controlplane.recovery.codes import Caveat
 from controlplane.recovery.errors import RecoveryError
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
@@ -36,6 +37,9 @@ def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False)
     candidates: list[Candidate] = []
     for policy in chosen_policies:
         candidates.extend(policy.propose(state, failure))
+    for candidate in candidates:
+        for caveat in candidate.caveats:
+            print(f"warning [{caveat}]: {candidate.policy}: {CAVEATS[caveat]}", file=sys.stderr)
     return {
         "search_time_s": time.perf_counter() - started,
         "chosen": best_index(candidates),
@@ -44,6 +48,11 @@ def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False)
 
 
 DEFAULT_POLICIES = "odyssey,oobleck,rerouting"
+
+CAVEATS = {
+    Caveat.SEARCH_INCOMPLETE: "a search budget ended the plan search before it proved this "
+    "plan the best; --exhaustive searches without budgets",
+}
 
 
 def simulate(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--exhaustive",
         action="store_true",
-        help="search every partition without pruning (reference mode; small clusters only)",
+        help="search every partition and layer split, no pruning or budget (reference; small jobs)",
     )
     sim = commands.add_parser(
         "simulate",

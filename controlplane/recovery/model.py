@@ -9,6 +9,7 @@ from enum import StrEnum
 from itertools import accumulate
 from typing import Any
 
+from controlplane.recovery.codes import Caveat
 from controlplane.recovery.errors import InvalidScenario, UnknownDevice
 
 # Korthikanti et al. (2022): a transformer layer keeps about 34·s·b·h bytes of activations for the
@@ -424,6 +425,7 @@ class Candidate:
     transition: TransitionCost = TransitionCost()
     peak_memory_bytes: Mapping[int, float] = field(default_factory=dict)
     objective: float = 0.0
+    caveats: tuple[Caveat, ...] = ()
 
     @classmethod
     def infeasible(cls, policy: str, reason: str) -> Candidate:
@@ -439,4 +441,5 @@ class Candidate:
             "transition": self.transition.to_dict(),
             "peak_memory_bytes": {str(d): b for d, b in sorted(self.peak_memory_bytes.items())},
             "objective": self.objective,
+            "caveats": [str(c) for c in self.caveats],
         }

@@ -5,14 +5,19 @@ a layer split per pipeline. The search visits shapes for DP widths near the old 
 
 * ``distribute_batch`` is Algorithm 1's rule: shares by pipeline length, leftovers one by one in
   list order (longest first), then refill of empty pipelines from the largest.
-* a pipeline of S stages with m micro-batches gets the best even layer split: every placement of
-  the remainder layers (at most ``MAX_PLACEMENTS``), memory-checked with eq. 14 and timed with
-  eq. 11, all placements at once as numpy rows, memoised on (S, m).
+* a pipeline of S stages with m micro-batches gets the best even layer split over every
+  placement of the remainder layers, memory-checked with eq. 14 and timed with eq. 11
+  (``PipelineOracle``: a branch-and-bound over placements with a proven bound, memoised on
+  (S, m)).
 * the fast search enumerates partitions as counts per pipeline length, longest first, and prunes
   every length whose bound (the best time its pipelines can reach with the micro-batches they
   surely get, leftovers included) cannot beat the threshold. ``exhaustive`` enumerates every
-  partition without pruning; with ``memo=False`` every pipeline's every split is also simulated
-  on its own, which is the straightforward Algorithm 1 that benchmarks compare against.
+  partition and times every placement that fits, without pruning; with ``memo=False`` every
+  pipeline's every split is also simulated on its own, which is the straightforward Algorithm 1
+  that benchmarks compare against.
+
+``SearchResult.complete`` means proven optimal: no budget cut the search or an oracle short, and
+everything skipped was skipped by a bound that is proven (``StageTable``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
-from itertools import combinations, islice
+from functools import cached_property
+from itertools import combinations
 
 import numpy as np
 import numpy.typing as npt
@@ -47,10 +52,6 @@ from controlplane.recovery.restorer import Placement, place
 Layers = tuple[tuple[int, int], ...]
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-
-# Placements of the remainder layers tried per (S, m) in the fast search; C(S, r) explodes past
-# 16 stages (C(32, 16) ≈ 6·10^8), and lower-bound ordering finds the best one early.
-MAX_PLACEMENTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,40 +102,86 @@ def _split_from_heavy(layers: int, stages: int, heavy: Sequence[int]) -> Layers:
     return tuple(bounds)
 
 
-def heavy_placements(
-    stages: int, remainder: int, limit: int | None = None
-) -> Iterator[tuple[int, ...]]:
-    """Which stages take one of the ``remainder`` extra layers of an even split.
-
-    With ``limit``, at most that many placements: heavy-early ones first (eq. 11 favours them),
-    then heavy-late ones (eq. 14 favours them), then evenly spaced; duplicates skipped.
-    """
-    if limit is None or math.comb(stages, remainder) <= limit:
-        yield from combinations(range(stages), remainder)
-        return
-    seen: set[tuple[int, ...]] = set()
-    early = combinations(range(stages), remainder)
-    late = (
-        tuple(stages - 1 - s for s in reversed(c)) for c in combinations(range(stages), remainder)
-    )
-    spaced = [tuple(round(i * stages / remainder) for i in range(remainder))]
-    for source in (spaced, islice(early, limit // 2), islice(late, limit // 2)):
-        for heavy in source:
-            if heavy not in seen:
-                seen.add(heavy)
-                yield heavy
+def heavy_placements(stages: int, remainder: int) -> Iterator[tuple[int, ...]]:
+    """Which stages take one of the ``remainder`` extra layers of an even split: every choice."""
+    return combinations(range(stages), remainder)
 
 
-def even_splits(layers: int, stages: int, limit: int | None = None) -> Iterator[Layers]:
+def even_splits(layers: int, stages: int) -> Iterator[Layers]:
     """Even splits of ``layers`` over ``stages``: base layers each, the remainder anywhere."""
     if layers // stages == 0:
         return
-    for heavy in heavy_placements(stages, layers % stages, limit):
+    for heavy in heavy_placements(stages, layers % stages):
         yield _split_from_heavy(layers, stages, heavy)
 
 
+# Relative difference under which two step times count as equal.
+TIE_TOLERANCE = 1e-9
+
+# Rows of float64 that one batch of placements may fill in eq. 11's arrays (about 32 MB each).
+BATCH_CELLS = 1 << 22
+
+# Placements the fast oracle may simulate for one (S, m) before it stops trying to prove its
+# best split optimal; past it the oracle says so and the search reports itself incomplete.
+PLACEMENT_BUDGET = 50_000
+
+
+@dataclass(frozen=True, slots=True)
+class StageTable:
+    """Every layer range a stage can hold in an even split of a pipeline, with its bounds.
+
+    An even split of L layers over S stages gives every stage ``base = L // S`` layers and
+    ``r = L mod S`` stages one more. Stage i, after k heavier stages, holds layers
+    ``[i·base + k, i·base + k + base + h)`` with h = 1 when it is heavier itself, so a split is a
+    path through the states (i, k) and every per-stage quantity is a function of (i, k, h).
+    Arrays are indexed [i, k, h]; ``term`` is infinite where the state is impossible or the
+    stage does not fit memory (eq. 14).
+
+    ``term`` is a lower bound on the pipeline's eq. 11 time that holds for every split through
+    that state; with stage work ``w_i = f_i + b_i`` it is
+
+        Σ_{s<i} w_s  +  m·w_i  +  max(0, Σ_{s>i} w_s − (n_i − 1)·f_i),   n_i = min(S − i, m).
+
+    Proof: micro-batch 0 reaches stage i no sooner than Σ_{s<i} f_s; the stage then runs its
+    2m passes, m·w_i in all, one at a time. In the 1F1B order its first backward comes after
+    n_i forwards, and it needs micro-batch 0's gradient, which leaves stage i's first forward
+    and crosses every later stage forward and backward: Σ_{s>i} w_s, of which the stage can
+    fill at most its other n_i − 1 forwards, so it idles for the rest. Its last backward's
+    gradient then crosses every earlier stage backward: Σ_{s<i} b_s. The slowest stage's term
+    is the split's bound (``completion`` takes the least over splits of the greatest term).
+    Odyssey's eq. 9 is the last stage's term for equal stages, so the bound is tight there.
+    """
+
+    base: int
+    remainder: int
+    starts: IntArray
+    ends: IntArray
+    term: FloatArray
+    # completion[i, k]: least, over the ways to finish a split from state (i, k) within memory,
+    # of the greatest term of stages i..S-1 (−inf at the end state, inf where none finishes)
+    completion: FloatArray
+
+    @property
+    def bound(self) -> float:
+        """The least bound over every even split that fits memory; inf when none fits."""
+        return float(self.completion[0, 0])
+
+    def rows(self, heavy: Sequence[Sequence[int]]) -> tuple[IntArray, IntArray]:
+        """Start and end layers (one row per split) of splits given as 0/1 heavy flags."""
+        flags = np.asarray(heavy, dtype=np.int64)
+        stages = flags.shape[1]
+        starts = np.arange(stages) * self.base + np.cumsum(flags, axis=1) - flags
+        return starts, starts + self.base + flags
+
+
 class PipelineOracle:
-    """Best layer split and its time for a pipeline of S stages and m micro-batches."""
+    """Best layer split and its time for a pipeline of S stages and m micro-batches.
+
+    ``best`` is exact: it visits the even splits through the states of a ``StageTable``,
+    skipping only those whose bound already exceeds the fastest split timed so far, and times
+    the rest with eq. 11 in batches. ``exhaustive`` times every split that fits memory;
+    ``memo=False`` is the straightforward Algorithm 1, one split at a time, nothing remembered.
+    """
 
     def __init__(
         self,
@@ -143,12 +190,19 @@ class PipelineOracle:
         tp: int,
         *,
         memo: bool = True,
+        exhaustive: bool = False,
+        placement_budget: int = PLACEMENT_BUDGET,
     ) -> None:
         self.profile = profile
         self.capacity = capacity_bytes
         self.tp = tp
         self.memo = memo
+        self.exhaustive = exhaustive
+        self.placement_budget = placement_budget
+        # True once a budget cut some ``best`` short: its answer is then not proven optimal.
+        self.incomplete = False
         self._best: dict[tuple[int, int], tuple[float, Layers] | None] = {}
+        self._tables: dict[tuple[int, int], StageTable | None] = {}
 
     def best(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
         """Least (time, split) over memory-feasible even splits; None when none fits."""
@@ -160,14 +214,134 @@ class PipelineOracle:
             self._best[key] = found
         return found
 
+    def split_bound(self, stages: int, micro_batches: int) -> float:
+        """A lower bound on ``best(stages, micro_batches)``, exact once that is known."""
+        if (stages, micro_batches) in self._best or not self.memo:
+            best = self.best(stages, micro_batches)
+            return math.inf if best is None else best[0]
+        table = self.table(stages, micro_batches)
+        return math.inf if table is None else table.bound
+
+    def table(self, stages: int, micro_batches: int) -> StageTable | None:
+        """The ``StageTable`` of a pipeline shape; None when the layers cannot fill the stages."""
+        key = (stages, micro_batches)
+        if key not in self._tables:
+            self._tables[key] = self._build_table(stages, micro_batches)
+        return self._tables[key]
+
+    def _build_table(self, stages: int, micro_batches: int) -> StageTable | None:
+        layers = self.profile.layers
+        base, remainder = divmod(layers, stages)
+        if base == 0:
+            return None
+        i = np.arange(stages)[:, None, None]
+        k = np.arange(remainder + 1)[None, :, None]
+        h = np.arange(2)[None, None, :]
+        # k heavier stages before i, and the heavier ones still to come fit after it
+        possible = (k <= i) & (k + h <= remainder) & (remainder - k - h <= stages - 1 - i)
+        starts = np.where(possible, i * base + k, 0)
+        ends = np.where(possible, starts + base + h, 0)
+        fwd, bwd, static, act = self._prefix_arrays
+        m = micro_batches
+        in_flight = np.minimum(stages - i, m)
+        # eq. 14 per stage, as stage_peak_bytes computes it
+        peak = (static[ends] - static[starts] + in_flight * (act[ends] - act[starts])) / self.tp
+        t_f = fwd[ends] - fwd[starts]
+        work = t_f + bwd[ends] - bwd[starts]
+        before = fwd[starts] + bwd[starts]
+        after = fwd[layers] + bwd[layers] - fwd[ends] - bwd[ends]
+        term = before + m * work + np.maximum(0.0, after - (in_flight - 1) * t_f)
+        term = np.where(possible & (peak <= self.capacity), term, math.inf)
+        completion = np.full((stages + 1, remainder + 1), math.inf)
+        completion[stages, remainder] = -math.inf
+        for s in reversed(range(stages)):
+            light = np.maximum(term[s, :, 0], completion[s + 1])
+            heavy = np.maximum(term[s, :-1, 1], completion[s + 1, 1:])
+            completion[s] = light
+            completion[s, :-1] = np.minimum(light[:-1], heavy)
+        return StageTable(base, remainder, starts, ends, term, completion)
+
     def _search(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
-        if self.memo:
-            return self._search_together(stages, micro_batches)
-        # The straightforward Algorithm 1: every split checked and simulated on its own.
-        feasible = [
-            s for s in even_splits(self.profile.layers, stages) if self._fits(s, micro_batches)
-        ]
-        return min(((self._time(s, micro_batches), s) for s in feasible), default=None)
+        if not self.memo:
+            # The straightforward Algorithm 1: every split checked and simulated on its own.
+            feasible = [
+                s for s in even_splits(self.profile.layers, stages) if self._fits(s, micro_batches)
+            ]
+            return min(((self._time(s, micro_batches), s) for s in feasible), default=None)
+        table = self.table(stages, micro_batches)
+        if table is None or math.isinf(table.bound):
+            return None
+        return self._branch_and_bound(table, stages, micro_batches)
+
+    def _branch_and_bound(
+        self, table: StageTable, stages: int, micro_batches: int
+    ) -> tuple[float, Layers]:
+        """The fastest fitting split, timing splits in batches as eq. 11 rows.
+
+        Splits are walked depth first, the child with the smaller bound first, so a fast split
+        comes early; a subtree is skipped when its bound exceeds the fastest time so far by more
+        than the tie tolerance, so every split that could tie or win is timed and the least
+        (time, split) is the same as over all splits. The exhaustive oracle skips nothing.
+        """
+        fwd, bwd, _, _ = self._prefix_arrays
+        best: tuple[float, Layers] | None = None
+        limit = math.inf
+        batch: list[list[int]] = []
+        size = 1
+        timed = 0
+        cap = max(1, BATCH_CELLS // (stages * micro_batches))
+
+        def flush() -> None:
+            nonlocal best, limit, size, timed
+            starts, ends = table.rows(batch)
+            times = pipeline_times(fwd[ends] - fwd[starts], bwd[ends] - bwd[starts], micro_batches)
+            splits = [
+                tuple(zip(row_s, row_e, strict=True))
+                for row_s, row_e in zip(starts.tolist(), ends.tolist(), strict=True)
+            ]
+            found = min(zip(times.tolist(), splits, strict=True))
+            best = found if best is None else min(best, found)
+            if not self.exhaustive:
+                limit = best[0] * (1 + TIE_TOLERANCE)
+            timed += len(batch)
+            batch.clear()
+            size = min(size * 8, cap)
+
+        term, completion = table.term, table.completion
+        path: list[int] = []
+
+        def walk(s: int, k: int, high: float) -> bool:
+            """Visit the splits below state (s, k); False once the budget is spent."""
+            if s == stages:
+                batch.append(path.copy())
+                if len(batch) >= size:
+                    flush()
+                return True
+            children = []
+            for h in (0, 1):
+                if k + h > table.remainder:
+                    continue
+                bound = max(high, term[s, k, h], completion[s + 1, k + h])
+                if bound < math.inf:
+                    children.append((bound, h))
+            for bound, h in sorted(children):
+                if bound > limit:
+                    continue
+                if not self.exhaustive and timed + len(batch) >= self.placement_budget:
+                    return False
+                path.append(h)
+                finished = walk(s + 1, k + h, max(high, float(term[s, k, h])))
+                path.pop()
+                if not finished:
+                    return False
+            return True
+
+        if not walk(0, 0, -math.inf):
+            self.incomplete = True
+        if batch:
+            flush()
+        assert best is not None  # the table's finite bound promises a fitting split
+        return best
 
     def _fits(self, split: Layers, micro_batches: int) -> bool:
         stages = len(split)
@@ -182,61 +356,6 @@ class PipelineOracle:
         t_b = [self.profile.bwd(*layers) for layers in split]
         return pipeline_time(t_f, t_b, micro_batches)
 
-    def _fitting_splits(self, stages: int, micro_batches: int) -> tuple[IntArray, IntArray] | None:
-        """Start and end layers (rows = splits) of the even splits that fit memory (eq. 14)."""
-        base, remainder = divmod(self.profile.layers, stages)
-        if base == 0:
-            return None
-        heavy = list(heavy_placements(stages, remainder, MAX_PLACEMENTS))
-        sizes = np.full((len(heavy), stages), base, dtype=np.int64)
-        for row, extra in enumerate(heavy):
-            sizes[row, list(extra)] += 1
-        ends = np.cumsum(sizes, axis=1)
-        starts = ends - sizes
-        _, _, static, act = self._prefix_arrays
-        in_flight = np.minimum(stages - np.arange(stages), micro_batches)
-        # eq. 14 per stage, as stage_peak_bytes computes it
-        peak = (static[ends] - static[starts] + in_flight * (act[ends] - act[starts])) / self.tp
-        fits = (peak <= self.capacity).all(axis=1)
-        if not fits.any():
-            return None
-        return starts[fits], ends[fits]
-
-    def _search_together(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
-        """The same search with every split as a row of numpy arrays: memory filter and eq. 11.
-
-        The arithmetic is the scalar path's, operation for operation, so times and ties agree.
-        """
-        found = self._fitting_splits(stages, micro_batches)
-        if found is None:
-            return None
-        starts, ends = found
-        fwd, bwd, _, _ = self._prefix_arrays
-        times = pipeline_times(fwd[ends] - fwd[starts], bwd[ends] - bwd[starts], micro_batches)
-        splits = [
-            tuple(zip(row_s, row_e, strict=True))
-            for row_s, row_e in zip(starts.tolist(), ends.tolist(), strict=True)
-        ]
-        return min(zip(times.tolist(), splits, strict=True))
-
-    def split_bound(self, stages: int, micro_batches: int) -> float:
-        """A bound on ``best(stages, micro_batches)`` without simulating: the least, over fitting
-        splits, of the busiest-stage bound (odyssey.md §5.1 item 3). Infinite when none fits.
-        """
-        if not self.memo or (stages, micro_batches) in self._best:
-            best = self.best(stages, micro_batches)
-            return math.inf if best is None else best[0]
-        found = self._fitting_splits(stages, micro_batches)
-        if found is None:
-            return math.inf
-        starts, ends = found
-        fwd, bwd, _, _ = self._prefix_arrays
-        t_f, t_b = fwd[ends] - fwd[starts], bwd[ends] - bwd[starts]
-        # stage b waits for micro-batch 0, runs m passes, and its last gradient travels back
-        before = np.cumsum(t_f + t_b, axis=1) - (t_f + t_b)
-        bound = (before + micro_batches * (t_f + t_b)).max(axis=1)
-        return float(bound.min())
-
     @cached_property
     def _prefix_arrays(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
         """Prefix sums over layers of forward, backward, static and activation terms."""
@@ -249,30 +368,6 @@ class PipelineOracle:
             np.array([p.activation_bytes(0, i) for i in layers]),
         )
 
-    def quick_bound(self, stages: int, micro_batches: int) -> float:
-        """A bound on every even split's eq. 11 time that needs no split.
-
-        The busiest stage b runs m forward+backward passes after the others' share of micro-batch
-        0 (odyssey.md §5.1 item 3), so t ≥ W − w_b + m·w_b = W + (m − 1)·w_b, W being the work of
-        all layers. w_b is at least the average W/S and at least the lightest run of ceil(L/S)
-        consecutive layers, since an even split gives some stage that many. For equal layers
-        dividing evenly this is eq. 9 exactly.
-        """
-        layers = self.profile.layers
-        total = self.profile.fwd(0, layers) + self.profile.bwd(0, layers)
-        return total + (micro_batches - 1) * max(total / stages, self._lightest_run(stages))
-
-    @cache  # noqa: B019 - one oracle lives for one search; the cache dies with it
-    def _lightest_run(self, stages: int) -> float:
-        widest = -(-self.profile.layers // stages)
-        return min(
-            self.profile.fwd(i, i + widest) + self.profile.bwd(i, i + widest)
-            for i in range(self.profile.layers - widest + 1)
-        )
-
-
-# Relative difference under which two step times count as equal.
-TIE_TOLERANCE = 1e-9
 
 # Branch-and-bound nodes the fast search may visit per call before it returns the best so far.
 DEFAULT_NODE_BUDGET = 50_000
@@ -316,10 +411,7 @@ class _Search:
 
     @property
     def exhausted(self) -> bool:
-        if not self.stopped and (
-            self.nodes >= self.budget
-            or (self.nodes % 64 == 0 and time.perf_counter() > self.deadline)
-        ):
+        if not self.stopped and (self.nodes >= self.budget or time.perf_counter() > self.deadline):
             self.stopped = True
         return self.stopped
 
@@ -351,8 +443,6 @@ class _Search:
         if self.exhaustive:
             return False
         m = self._guaranteed(length)
-        if self._beyond(self.oracle.quick_bound(length, m)):
-            return True
         if self._beyond(self.oracle.split_bound(length, m)):
             return True
         best = self.oracle.best(length, m)
@@ -484,7 +574,9 @@ def search(
     The search stops at ``node_budget`` nodes or after ``time_budget_s`` seconds, returning the
     best shapes so far with ``complete=False``.
     """
-    oracle = PipelineOracle(profile, cluster.device_memory_bytes, tp, memo=memo)
+    oracle = PipelineOracle(
+        profile, cluster.device_memory_bytes, tp, memo=memo, exhaustive=exhaustive
+    )
     state = _Search(
         oracle=oracle,
         micro_batches=training.micro_batches,
@@ -512,7 +604,7 @@ def search(
     ranked = sorted(state.found, key=lambda e: e[:2], reverse=True)
     return SearchResult(
         shapes=[shape for _, _, shape in ranked],
-        complete=not state.stopped,
+        complete=not state.stopped and not oracle.incomplete,
         nodes=state.nodes,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def test_plan_lists_every_policy_and_chooses_the_best(run: Runner) -> None:
             "transition",
             "peak_memory_bytes",
             "objective",
+            "caveats",
         }
         assert set(c["transition"]) == TRANSITION_KEYS
     best = out["candidates"][out["chosen"]]
@@ -136,6 +138,58 @@ def test_plan_with_one_policy_and_exhaustive(run: Runner) -> None:
     plan = out["candidates"][0]["plan"]
     used = [d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]]
     assert 1 not in used and sorted(used) == sorted(set(used))
+
+
+def uneven_pipelines_scenario() -> dict[str, Any]:
+    """11 devices in pipelines of 4, 4 and 3 stages over 10 equal layers, 5 micro-batches each."""
+
+    def pipeline(first: int, layers: list[int]) -> dict[str, Any]:
+        bounds = [0, *itertools.accumulate(layers)]
+        stages = [
+            {"devices": [first + s], "layers": [bounds[s], bounds[s + 1]]}
+            for s in range(len(layers))
+        ]
+        return {"stages": stages, "micro_batches": 5}
+
+    return scenario(
+        model__layers=10,
+        cluster={"devices": 11, "devices_per_node": 8},
+        training={"global_batch": 15, "micro_batch": 1},
+        plan={
+            "pipelines": [
+                pipeline(0, [3, 3, 2, 2]),
+                pipeline(4, [3, 3, 2, 2]),
+                pipeline(8, [4, 3, 3]),
+            ]
+        },
+        failed=[0],
+    )
+
+
+@pytest.mark.parametrize("mode", [[], ["--exhaustive"]])
+def test_plan_finds_the_fastest_replan_of_uneven_pipelines(run: Runner, mode: list[str]) -> None:
+    """Losing device 0 leaves 10 groups; the best re-plan takes 69 s (4+4+2 stages with 6/6/3
+    micro-batches, or any plan that ties), as tests/recovery/bruteforce.py finds over every
+    partition and split. Pruning with a bound that ignored how the stages after the busiest one
+    overlap its warm-up returned 5+5 stages at 72 s.
+    """
+    code, out, err = run(["plan", "--policy", "dynamic", *mode], uneven_pipelines_scenario())
+    assert code == 0 and err == ""
+    (candidate,) = out["candidates"]
+    assert candidate["est_step_time_s"] == pytest.approx(69.0)
+    assert candidate["caveats"] == []
+
+
+def test_plan_says_when_a_budget_ended_the_search(run: Runner) -> None:
+    """39 groups with spares: the re-plan's window has more near-ties than it may place."""
+    data = json.loads((ROOT / "examples" / "llama2-7b-pp4-dp8-tp1.json").read_text())
+    data["cluster"].update(spares=8, devices_per_node=1)
+    data["failed"] = [5]
+    code, out, err = run(["plan", "--policy", "pitstop"], data)
+    assert code == 0
+    (candidate,) = out["candidates"]
+    assert candidate["feasible"] and candidate["caveats"] == ["search_incomplete"]
+    assert "warning [search_incomplete]: pitstop:" in err
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.recovery.model import Cluster, ModelProfile, Training
@@ -17,6 +17,7 @@ from controlplane.recovery.planner import (
     search,
     usable_groups,
 )
+from tests.recovery import bruteforce
 from tests.recovery.builders import examples, grid_state, uniform_profile
 
 
@@ -51,12 +52,6 @@ def test_even_splits_place_remainder_everywhere() -> None:
     for split in splits:
         sizes = [b - a for a, b in split]
         assert sum(sizes) == 9 and max(sizes) - min(sizes) <= 1
-
-
-def test_even_splits_limit_bounds_placements() -> None:
-    assert len(list(even_splits(48, 32, limit=100))) <= 101
-    assert len(list(even_splits(20, 16))) == math.comb(16, 4)
-    assert len(list(even_splits(20, 16, limit=10**6))) == math.comb(16, 4)
 
 
 def test_oracle_picks_late_heavy_split_under_memory_cap() -> None:
@@ -152,3 +147,168 @@ def test_usable_groups_drop_broken_tp_groups_and_regroup_within_node() -> None:
     # device 0 is alone on its node's loose devices and cannot form a group of 2
     assert all(0 not in g for g in groups)
     assert len(groups) == 3
+
+
+# --- the planner against an independent brute force (tests/recovery/bruteforce.py) ---
+
+
+@st.composite
+def small_models(draw: st.DrawFn, max_layers: int = 10) -> bruteforce.Layers:
+    """Random per-layer costs; a third of the draws make every layer alike (many ties)."""
+    layers = draw(st.integers(1, max_layers))
+    if draw(st.integers(0, 2)) == 0:
+        f, a = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+        return bruteforce.Layers((float(f),) * layers, (2.0 * f,) * layers, (8.0,) * layers,
+                                 (float(a),) * layers)  # fmt: skip
+    seconds = st.lists(st.integers(1, 9), min_size=layers, max_size=layers)
+    fwd = draw(seconds)
+    bwd = draw(seconds)
+    act = draw(seconds)
+    return bruteforce.Layers(
+        tuple(float(f) for f in fwd),
+        tuple(float(f + b) for f, b in zip(fwd, bwd, strict=True)),  # backward ≥ forward
+        (8.0,) * layers,
+        tuple(float(a) for a in act),
+    )
+
+
+def as_profile(model: bruteforce.Layers) -> ModelProfile:
+    # static bytes are m_p + m_o + m_g: put them all in m_o
+    zeros = (0.0,) * model.count
+    return ModelProfile(
+        name="brute",
+        fwd_s=model.fwd,
+        bwd_s=model.bwd,
+        m_p=zeros,
+        m_o=model.static,
+        m_g=zeros,
+        m_a=model.act,
+    )
+
+
+def tight_capacity(draw: st.DrawFn, model: bruteforce.Layers, stages: int) -> float:
+    """Unlimited, or near what one stage of ``stages`` needs, so memory often decides."""
+    if draw(st.booleans()):
+        return math.inf
+    per_stage = (sum(model.static) + 2 * sum(model.act)) / max(stages, 1)
+    return float(per_stage * draw(st.sampled_from([0.8, 1.0, 1.2, 1.5, 2.0, 3.0])))
+
+
+@st.composite
+def pipeline_cases(draw: st.DrawFn) -> tuple[bruteforce.Layers, int, int, float]:
+    """A model, a pipeline length (one past the layers too), micro-batches and a capacity."""
+    model = draw(small_models(max_layers=16))
+    stages = draw(st.integers(1, model.count + 1))
+    return model, stages, draw(st.integers(1, 12)), tight_capacity(draw, model, stages)
+
+
+@given(case=pipeline_cases())
+@settings(max_examples=examples(400), deadline=None)
+def test_oracle_equals_brute_force(case: tuple[bruteforce.Layers, int, int, float]) -> None:
+    model, stages, micro_batches, capacity = case
+    expected = bruteforce.best_pipeline(model, stages, micro_batches, capacity)
+    for exhaustive in (False, True):
+        oracle = PipelineOracle(as_profile(model), capacity, 1, exhaustive=exhaustive)
+        bound = oracle.split_bound(stages, micro_batches)
+        found = oracle.best(stages, micro_batches)
+        assert not oracle.incomplete
+        if expected is None:
+            assert found is None and bound == math.inf
+            continue
+        assert found is not None
+        assert found[0] == pytest.approx(expected[0], rel=1e-9)
+        assert bound <= expected[0] * (1 + 1e-9)
+        # the split returned is one that fits and takes the time claimed
+        split = [tuple(s) for s in found[1]]
+        assert bruteforce.fits(model, split, micro_batches, capacity)  # type: ignore[arg-type]
+        fwd = [sum(model.fwd[a:b]) for a, b in split]
+        bwd = [sum(model.bwd[a:b]) for a, b in split]
+        assert bruteforce.step_time(fwd, bwd, micro_batches) == pytest.approx(found[0])
+
+
+@st.composite
+def plan_cases(draw: st.DrawFn) -> tuple[bruteforce.Layers, int, int, int, float]:
+    """A model, surviving groups, micro-batches, old DP width and a memory capacity."""
+    model = draw(small_models(max_layers=12))
+    groups = draw(st.integers(1, 14))
+    old_dp = draw(st.integers(1, 5))
+    capacity = tight_capacity(draw, model, max(1, groups // old_dp))
+    return model, groups, draw(st.integers(1, 24)), old_dp, capacity
+
+
+def uniform_case(layers: int, groups: int, micro_batches: int, old_dp: int) -> tuple[
+    bruteforce.Layers, int, int, int, float
+]:  # fmt: skip
+    model = bruteforce.Layers((1.0,) * layers, (2.0,) * layers, (8.0,) * layers, (1.0,) * layers)
+    return model, groups, micro_batches, old_dp, math.inf
+
+
+# Cases where pruning by W + (m − 1)·w_max lost the optimum (found by a random sweep).
+@example(case=uniform_case(10, 10, 15, 3))  # 11 groups of 4+4+3 stages lost one: 69 s, not 72
+@example(case=uniform_case(7, 6, 9, 1))
+@example(case=uniform_case(8, 14, 15, 1))
+@given(case=plan_cases())
+@settings(max_examples=examples(1000), deadline=None)
+def test_search_equals_brute_force(case: tuple[bruteforce.Layers, int, int, int, float]) -> None:
+    model, groups, micro_batches, old_dp, capacity = case
+    widths = [old_dp - 1, old_dp, old_dp + 1]
+    expected = bruteforce.best_plan_time(model, groups, micro_batches, widths, capacity)
+    profile = as_profile(model)
+    cluster = Cluster(devices=groups, device_memory_bytes=capacity)
+    training = Training(global_batch=micro_batches)
+    for exhaustive in (False, True):
+        result = search(
+            profile,
+            cluster,
+            training,
+            groups=groups,
+            tp=1,
+            dp_options=widths,
+            top_k=1,
+            exhaustive=exhaustive,
+        )
+        assert result.complete
+        if expected is None:
+            assert result.shapes == []
+        else:
+            assert result.shapes[0].compute_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_pipeline_bound_holds_where_the_busiest_stage_overlaps() -> None:
+    """32 equal layers on 3 stages, 7 micro-batches: [11, 11, 10] takes 291 (odyssey vector).
+
+    A bound of W + (m − 1)·w_max (294 here) ignores that the stages after the busiest one work
+    during its warm-up, and pruned this split.
+    """
+    profile = uniform_profile(32, 1.0, 2.0)
+    oracle = PipelineOracle(profile, math.inf, 1)
+    assert oracle.split_bound(3, 7) <= 291
+    assert oracle.best(3, 7) == (291.0, ((0, 11), (11, 22), (22, 32)))
+    model = bruteforce.Layers((1.0,) * 32, (2.0,) * 32, (0.0,) * 32, (0.0,) * 32)
+    assert bruteforce.best_pipeline(model, 3, 7, math.inf) == (
+        291.0,
+        [(0, 11), (11, 22), (22, 32)],
+    )
+
+
+def test_every_layer_placement_counts_when_memory_binds() -> None:
+    """14 stages, 14 micro-batches, 32 equal layers, 28 GB: only late extra layers fit."""
+    gb = 1e9
+    memory = {"m_p": 0.4 * gb, "m_o": 2.4 * gb, "m_g": 0.4 * gb, "m_a": 0.5 * gb}
+    profile = uniform_profile(32, 1.0, 2.0, **memory)
+    model = bruteforce.Layers((1.0,) * 32, (2.0,) * 32, (3.2 * gb,) * 32, (0.5 * gb,) * 32)
+    expected = bruteforce.best_pipeline(model, 14, 14, 28 * gb)
+    assert expected is not None and expected[0] == 189.0
+    for exhaustive in (False, True):
+        found = PipelineOracle(profile, 28 * gb, 1, exhaustive=exhaustive).best(14, 14)
+        assert found is not None and found[0] == 189.0
+
+
+def test_placement_budget_is_reported_not_hidden() -> None:
+    """24 stages of 32 equal layers with 4 micro-batches tie on many placements: with a small
+    budget the oracle cannot prove its best and says so, and so does the search."""
+    profile = uniform_profile(32, 1.0, 2.0)
+    oracle = PipelineOracle(profile, math.inf, 1, placement_budget=100)
+    assert oracle.best(24, 4) is not None
+    assert oracle.incomplete
+    assert not PipelineOracle(profile, math.inf, 1).incomplete

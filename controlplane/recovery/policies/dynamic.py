@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from controlplane.recovery.codes import Caveat
 from controlplane.recovery.estimator.time import gradient_sync_floor_s
 from controlplane.recovery.model import Candidate, ClusterState, Failure, TransitionCost
 from controlplane.recovery.objective import expected_time_to_failure_s
@@ -21,7 +22,7 @@ from controlplane.recovery.policies.base import interrupted_work_s, score
 # Shapes scored with their weight transfer once the fastest is known. The window they come from
 # is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale.
 WINDOW_TOP_K = 256
-WINDOW_NODE_BUDGET = 5_000
+WINDOW_NODE_BUDGET = 50_000
 WINDOW_MIN_SCORED = 8
 
 
@@ -61,6 +62,8 @@ def plan_dynamic(
         "exhaustive": exhaustive,
     }
     first = search(state.profile, state.cluster, state.training, top_k=1, **kwargs)  # type: ignore[arg-type]
+    # False once a budget cut a search short or a cap left a shape unscored that could win
+    complete = first.complete
     if not first.shapes:
         return Candidate.infeasible(
             policy,
@@ -81,7 +84,8 @@ def plan_dynamic(
     )
     floor_s = first.shapes[0].compute_time_s + sync_floor_s
     bound = state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
-    if bound <= beat:
+    # an incomplete search has not proven its first shape the fastest, so it bounds nothing
+    if complete and bound <= beat:
         return Candidate.infeasible(
             policy,
             f"{DOMINATED}: no re-plan beats {beat:.4g} samples/s (a re-plan's step is at least "
@@ -108,7 +112,7 @@ def plan_dynamic(
 
     best = evaluate(first.shapes[0])
     if not best.feasible or best.objective <= 0:
-        return best
+        return with_caveat(best, complete)
     cut = state.training.global_batch / best.objective * ratio
     window = search(
         state.profile,
@@ -119,16 +123,35 @@ def plan_dynamic(
         node_budget=None if exhaustive else WINDOW_NODE_BUDGET,
         **kwargs,  # type: ignore[arg-type]
     )
+    complete = complete and window.complete
+
+    def could_win(shape: PlanShape) -> bool:
+        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
+        return bound > best.objective * (1 + 1e-12)
+
     # Placements cost O(groups) and more at scale; small clusters score the whole window.
     limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, 4096 // len(groups))
-    for shape in window.shapes[:limit]:  # fastest first
-        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
-        if bound <= best.objective * (1 + 1e-12):
+    for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
+        if not could_win(shape):
+            break
+        if index == limit:
+            complete = False  # an unscored shape could still win
             break
         candidate = evaluate(shape)
         if candidate.feasible and candidate.objective > best.objective * (1 + 1e-12):
             best = candidate
-    return best
+    else:
+        # a full window left out shapes no faster than its last one
+        if len(window.shapes) == WINDOW_TOP_K and not exhaustive and could_win(window.shapes[-1]):
+            complete = False
+    return with_caveat(best, complete)
+
+
+def with_caveat(candidate: Candidate, complete: bool) -> Candidate:
+    """The candidate, marked when the search behind it did not prove it the best."""
+    if complete:
+        return candidate
+    return replace(candidate, caveats=(*candidate.caveats, Caveat.SEARCH_INCOMPLETE))
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ def test_fast_dynamic_policy_matches_exhaustive_objective(state: ClusterState) -
     exhaustive = plan_dynamic("dynamic", state, exhaustive=True)
     assert fast.feasible == exhaustive.feasible
     assert fast.objective == pytest.approx(exhaustive.objective, rel=1e-9)
+    assert not fast.caveats and not exhaustive.caveats
     if fast.feasible:
         assert fast.plan is not None
         assert_valid_plan(fast.plan, state)
