@@ -365,6 +365,10 @@ class ClusterState:
     """Everything a policy decides from: profile, cluster, batch, current plan and failed devices.
 
     ``failed`` holds every device that is down now, including those of the failure being handled.
+
+    The last two fields say how much work the failure threw away, which only a caller with a
+    clock knows (the simulator); left at None, policies charge the expectation instead: a whole
+    interrupted step and (n − 1)/2 completed steps of an n-step checkpoint interval.
     """
 
     profile: ModelProfile
@@ -373,6 +377,12 @@ class ClusterState:
     plan: ExecutionPlan
     failed: frozenset[int] = frozenset()
     assumptions: Assumptions = Assumptions()
+    # Seconds into the step the failure interrupted; 0 when no step was running (the job was
+    # restarting after an earlier failure, whose lost work is charged already).
+    interrupted_step_s: float | None = None
+    # Seconds of steps completed since the last checkpoint that no earlier recovery charged:
+    # what a rollback to that checkpoint throws away on top of the interrupted step.
+    completed_since_checkpoint_s: float | None = None
 
     @property
     def healthy(self) -> frozenset[int]:

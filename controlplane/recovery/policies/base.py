@@ -82,6 +82,12 @@ def score(
 
 
 def interrupted_work_s(state: ClusterState) -> float:
-    """Work lost to a fault under every policy: detection plus the interrupted step."""
-    old_step = estimate_step_time(state.profile, state.cluster, state.plan)
-    return state.assumptions.detection_s + old_step
+    """Work lost to a fault under every policy: detection plus the interrupted step.
+
+    The part of the step done when the fault came is lost (``state.interrupted_step_s``, none
+    when no step was running); without a clock to tell, the whole step, the worst case.
+    """
+    lost = state.interrupted_step_s
+    if lost is None:
+        lost = estimate_step_time(state.profile, state.cluster, state.plan)
+    return state.assumptions.detection_s + lost

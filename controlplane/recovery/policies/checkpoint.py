@@ -54,6 +54,18 @@ def rollback_steps(assumptions: Assumptions) -> float:
     return max(assumptions.checkpoint_interval_steps - 1, 0) / 2
 
 
+def rollback_s(state: ClusterState, step_s: float) -> float:
+    """Seconds of completed steps a restart from the last checkpoint throws away.
+
+    What ran since the checkpoint when the caller knows it (``completed_since_checkpoint_s``,
+    0 for a fault during a restart whose rollback is already charged), else the expectation,
+    ``rollback_steps`` steps of ``step_s``.
+    """
+    if state.completed_since_checkpoint_s is not None:
+        return state.completed_since_checkpoint_s
+    return rollback_steps(state.assumptions) * step_s
+
+
 def plan_checkpoint(policy: str, state: ClusterState) -> Candidate:
     """Restart the whole job on the same plan, broken groups swapped for spares."""
     broken = broken_stages(state)
@@ -72,7 +84,7 @@ def plan_checkpoint(policy: str, state: ClusterState) -> Candidate:
     transition = TransitionCost(
         weight_transfer_s=checkpoint_load_s(state.profile, replacement.plan, assumptions),
         restart_s=full_restart_s(assumptions, len(replacement.plan.devices())),
-        lost_work_s=interrupted_work_s(state) + rollback_steps(assumptions) * step_s,
+        lost_work_s=interrupted_work_s(state) + rollback_s(state, step_s),
     )
     return score(policy, state, replacement.plan, transition)
 

@@ -20,6 +20,7 @@ from controlplane.recovery.model import (
 )
 from controlplane.recovery.objective import best_index
 from controlplane.recovery.policies.base import Policy, interrupted_work_s
+from controlplane.recovery.policies.checkpoint import CheckpointPolicy
 from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
 from controlplane.recovery.simulator.timeline import Cause, Recovery, Run, Segment
 from controlplane.recovery.simulator.traces import Trace, TraceFailure
@@ -65,7 +66,17 @@ def transition_pieces(state: ClusterState, cost: TransitionCost) -> list[tuple[C
 
 
 class _Job:
-    """The training job under one policy: runs its plan, stops for transitions or waits."""
+    """The training job under one policy: runs its plan, stops for transitions or waits.
+
+    The job counts its steps (``steps``, the fraction being the step in flight) to tell a policy
+    what a fault threw away: the part of the running step, and the steps completed since the
+    last checkpoint. A checkpoint is taken whenever the count reaches a multiple of
+    ``checkpoint_interval_steps``, the first at step 0. A transition leaves the count where the
+    fault found it: its lost work is the time spent redoing what the fault threw away, after a
+    restart from a checkpoint too, so the next checkpoint comes at the next multiple. A fault
+    during the restart finds nothing more to lose; a fault during the redo stops it, and the
+    next decision owes the whole redo again.
+    """
 
     def __init__(self, env: simpy.Environment, state: ClusterState, policy: Policy) -> None:
         self.env = env
@@ -77,6 +88,11 @@ class _Job:
         self.effective_s = effective_step_s(self.name, state, self.step_s)
         self.mode = _Mode.RUNNING
         self.since = 0.0
+        self.steps = 0.0
+        # When the current transition redoes the work a fault threw away, and that work as the
+        # policy was told it: a fault then stops the redo, and all of it is owed again.
+        self.redo_window_s = (math.inf, math.inf)
+        self.redoing = (0.0, 0.0)
         self.segments: list[Segment] = []
         self.recoveries: list[Recovery] = []
         # failed devices of the plan not handled yet, and the trace failures they came with
@@ -94,7 +110,11 @@ class _Job:
             return  # a spare or idle device: it just leaves the pool
         self.hit |= touched
         self.hit_by.append(f)
-        if self.mode is not _Mode.TRANSITION:
+        # during a transition only a fault that stops the redo of lost work acts at once
+        if (
+            self.mode is not _Mode.TRANSITION
+            or self.redo_window_s[0] <= self.env.now <= self.redo_window_s[1]
+        ):
             self._wake()
 
     def repair(self, f: TraceFailure) -> None:
@@ -119,6 +139,7 @@ class _Job:
                 failure = self._merge(self.unresolved)
             else:
                 self._close(Cause.RUNNING)
+                self.state = self._with_lost_work()
                 failure = self._merge(None)
             while failure is not None:
                 candidate = self._decide(failure, after_wait=after_wait)
@@ -132,10 +153,59 @@ class _Job:
                     self.unresolved = None
                 end = self._start_transition(candidate, failure, after_wait=after_wait)
                 if end > self.env.now:
-                    yield self.env.timeout(end - self.env.now)
+                    yield self.env.timeout(end - self.env.now) | self.wake
+                if self.wake.triggered:
+                    self.wake = self.env.event()
+                    end = self._stop_redo(end)
+                    if end > self.env.now:  # the rest of the lost work is not a redo
+                        yield self.env.timeout(end - self.env.now)
                 self.mode, self.since = _Mode.RUNNING, self.env.now
                 # failures that hit the new plan during the transition are handled now
                 failure, after_wait = self._merge(None), False
+
+    def _with_lost_work(self) -> ClusterState:
+        """The state told what a fault now throws away: the running step's part, and the steps
+        completed since the last checkpoint (which only a checkpoint restart loses)."""
+        interval = max(self.state.assumptions.checkpoint_interval_steps, 1)
+        completed = math.floor(self.steps)
+        return replace(
+            self.state,
+            interrupted_step_s=(self.steps - completed) * self.step_s,
+            completed_since_checkpoint_s=(completed % interval) * self.step_s,
+        )
+
+    def _rollback_s(self) -> float:
+        """Completed steps the fault throws away on top of the interrupted one: those since the
+        checkpoint for a checkpoint restart, none for the policies that keep the job's state."""
+        if isinstance(self.policy, CheckpointPolicy):
+            return self.state.completed_since_checkpoint_s or 0.0
+        return 0.0
+
+    def _stop_redo(self, end: float) -> float:
+        """A fault stopped the redo of lost work: cut what is left of it, and owe all of it again.
+
+        The job goes back to its checkpoint (or the start of its step) as at the fault that asked
+        for the transition, so the next decision is told the same lost work. Returns when the
+        transition now ends.
+        """
+        cut = self.redo_window_s[1] - self.env.now
+        self.redo_window_s = (math.inf, math.inf)
+        if cut > 0:
+            last = self.segments[-1]
+            self.segments[-1] = replace(last, end_s=last.end_s - cut)
+            record = self.recoveries[-1]
+            pieces = tuple(
+                (cause, seconds - cut if cause is Cause.LOST_WORK else seconds)
+                for cause, seconds in record.transition
+            )
+            self.recoveries[-1] = replace(record, transition=pieces)
+        interrupted, completed = self.redoing
+        self.state = replace(
+            self.state,
+            interrupted_step_s=interrupted,
+            completed_since_checkpoint_s=completed,
+        )
+        return end - max(cut, 0.0)
 
     def _merge(self, pending: Failure | None) -> Failure | None:
         """One failure for the policy: ``pending`` plus the plan's devices hit since."""
@@ -184,10 +254,11 @@ class _Job:
         cost = candidate.transition
         if after_wait and cost.total_s == 0:
             # The repair gave the plan its own devices back, so the policy sees nothing to do;
-            # the stopped job still restarts and redoes its interrupted step (docs/simulator.md).
+            # the stopped job still restarts and redoes its interrupted step, and a checkpoint
+            # restart the steps since its checkpoint (docs/simulator.md).
             cost = TransitionCost(
                 restart_s=self.state.assumptions.restart_s,
-                lost_work_s=interrupted_work_s(self.state),
+                lost_work_s=interrupted_work_s(self.state) + self._rollback_s(),
             )
         pieces = transition_pieces(self.state, cost)
         plan_devices = candidate.plan.devices()
@@ -207,15 +278,32 @@ class _Job:
                 after_wait=after_wait,
             )
         )
-        self.state = self.state.with_plan(candidate.plan)
+        # The transition charges what the fault threw away, so a failure that lands during it
+        # finds no step running and no work since the checkpoint left to lose, unless it stops
+        # the redo (_stop_redo).
+        self.redoing = (
+            self.state.interrupted_step_s or 0.0,
+            self.state.completed_since_checkpoint_s or 0.0,
+        )
+        # The lost work starts with the redo; other policies' extra lost work (CheckFree's
+        # penalty, Varuna's expected rollback) is not tied to the job's clock.
+        redo = self.redoing[0] + self._rollback_s()
+        self.state = replace(
+            self.state.with_plan(candidate.plan),
+            interrupted_step_s=0.0,
+            completed_since_checkpoint_s=0.0,
+        )
         self.plan_devices = plan_devices
         self.step_s = candidate.est_step_time_s
         self.effective_s = effective_step_s(self.name, self.state, self.step_s)
         self.mode = _Mode.TRANSITION
         t = now
+        self.redo_window_s = (math.inf, math.inf)
         for cause, seconds in pieces:
             if seconds > 0:
                 self.segments.append(Segment(t, t + seconds, cause))
+                if cause is Cause.LOST_WORK and redo > 0:
+                    self.redo_window_s = (t, t + min(redo, seconds))
                 t += seconds
         return t
 
@@ -223,6 +311,8 @@ class _Job:
         now = self.env.now
         if now > self.since:
             step = self.effective_s if cause is Cause.RUNNING else math.inf
+            if cause is Cause.RUNNING:
+                self.steps += (now - self.since) / self.step_s
             self.segments.append(Segment(self.since, now, cause, step))
         self.since = now
 
