@@ -7,6 +7,9 @@ on N = 8, 16, 32, 64 nodes of M GPUs (M = 1 as in Oobleck's evaluation), f = 1, 
 
 * ``ours``: ``controlplane.recovery.templates.build_templates`` from cold caches, the exact
   min-max partition search over the stages of each template;
+* ``rank``: ``split_at`` for every template at ``--micro-batches`` per pipeline, from cold
+  caches: the eq. 11 ranking Oobleck does when it instantiates a template for a pipeline's
+  share (only for the sizes it uses, once per stage count and share; timed here for all);
 * ``paper DP``: a plain transcription of Oobleck §4.1.2, ``T(S', u, v, d)`` over layers
   [u, v), S' stages and d GPUs, divided at every (s, k, m) (s stages and m GPUs left of layer k;
   nodes split whole, GPUs split only inside one node), combined with eq. 1-3 and the conquer case
@@ -47,7 +50,7 @@ planning one template, 8 nodes × 1 GPU at 9.65 s for 64 layers and 68.50 s for 
 developers' guide's bar is 58 s for 80 layers on 64 nodes.
 
     python benchmarks/oobleck_templates.py [--nodes 8,16,32,64] [--gpus-per-node 1]
-        [--layers 80] [--baseline-budget SECONDS] [--out DIR]
+        [--layers 80] [--micro-batches 32] [--baseline-budget SECONDS] [--out DIR]
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from controlplane.recovery.model import ModelProfile
 GB = 1e9
 NODES = [8, 16, 32, 64]
 LAYERS = 80
+MICRO_BATCHES = 32
 F = 1
 REL_TOL = 1e-9
 # Oobleck Table 3 (s): nodes → GPUs per node → {layers: seconds}
@@ -211,7 +215,18 @@ def _cold_build(profile: ModelProfile, nodes: int, gpus_per_node: int) -> core.T
     core._tables.cache_clear()
     core.best_split.cache_clear()
     core.build_templates.cache_clear()
+    core.split_at.cache_clear()
     return core.build_templates(profile, nodes, gpus_per_node, F)
+
+
+def _rank_all(profile: ModelProfile, built: core.TemplateSet, micro_batches: int) -> int:
+    """Rank every template's splits at ``micro_batches``; how many move off the template's."""
+    core.split_at.cache_clear()
+    moved = 0
+    for template in built.templates:
+        split = core.split_at(profile, template.stages, 1, math.inf, micro_batches)
+        moved += split != template.layers
+    return moved
 
 
 def _close(a: float, b: float) -> bool:
@@ -224,6 +239,7 @@ def measure(
     gpus_per_node: int = 1,
     baseline_budget_s: float = 180.0,
     repeats: int = 3,
+    micro_batches: int = MICRO_BATCHES,
 ) -> dict[str, Any]:
     """Time both on one cluster size and check them against each other (AssertionError if not)."""
     ours_s = math.inf
@@ -233,6 +249,9 @@ def measure(
         built = _cold_build(profile, nodes, gpus_per_node)
         ours_s = min(ours_s, time.perf_counter() - started)
     assert built is not None, "no template fits (the benchmark has no memory limit)"
+    started = time.perf_counter()
+    moved = _rank_all(profile, built, micro_batches)
+    rank_s = time.perf_counter() - started
 
     started = time.perf_counter()
     dp = PaperDP(profile, gpus_per_node, deadline=started + baseline_budget_s)
@@ -271,6 +290,9 @@ def measure(
         "templates": len(built.templates),
         "template_nodes": [built.n0, built.n_max],
         "ours_s": ours_s,
+        "micro_batches": micro_batches,
+        "rank_s": rank_s,
+        "ranked_splits_moved": moved,
         "paper_dp_s": paper_s,
         "paper_dp_complete": complete,
         "paper_dp_templates_done": len(found),
@@ -299,7 +321,7 @@ def _reference(row: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'nodes':>5} {'M':>2} {'templates':>9} {'ours s':>8} {'paper DP s':>11} "
+        f"{'nodes':>5} {'M':>2} {'templates':>9} {'ours s':>8} {'rank s':>7} {'paper DP s':>11} "
         f"{'ratio':>8} {'checked':>8} {'Oobleck s (64-96 L)':>26}"
     )
     lines = [head, "-" * len(head)]
@@ -310,7 +332,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         checked = f"{r['templates_checked']}/{r['templates']}"
         lines.append(
             f"{r['nodes']:>5} {r['gpus_per_node']:>2} {r['templates']:>9} {r['ours_s']:>8.4f} "
-            f"{paper:>11} {ratio:>8} {checked:>8} {_reference(r):>26}"
+            f"{r['rank_s']:>7.2f} {paper:>11} {ratio:>8} {checked:>8} {_reference(r):>26}"
         )
     return "\n".join(lines)
 
@@ -320,6 +342,7 @@ def main() -> None:
     parser.add_argument("--nodes", default=",".join(map(str, NODES)))
     parser.add_argument("--gpus-per-node", type=int, default=1, metavar="M")
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--micro-batches", type=int, default=MICRO_BATCHES, metavar="M")
     parser.add_argument("--baseline-budget", type=float, default=180.0, metavar="SECONDS")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR")
     args = parser.parse_args()
@@ -327,7 +350,9 @@ def main() -> None:
     measure(llama2_70b(12), 4, args.gpus_per_node, repeats=1)  # warm up imports and numpy
     rows = []
     for nodes in (int(s) for s in args.nodes.split(",")):
-        rows.append(measure(profile, nodes, args.gpus_per_node, args.baseline_budget))
+        rows.append(
+            measure(profile, nodes, args.gpus_per_node, args.baseline_budget, 3, args.micro_batches)
+        )
         print(table(rows).splitlines()[-1], flush=True)
     print()
     print(table(rows))

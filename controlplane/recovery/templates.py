@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import pairwise
@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.model import ModelProfile
 
 Layers = tuple[tuple[int, int], ...]
@@ -26,7 +27,8 @@ class PipelineTemplate:
     """One layer-to-stage mapping for a pipeline of ``nodes`` nodes (Oobleck §4.1).
 
     Stage k runs on the k-th tensor-parallel group of the pipeline's nodes, in node order;
-    ``time_s`` is the template's T1 + T2 + T3 with ``NB_PLANNING_FACTOR``·S micro-batches.
+    ``time_s`` is the template's T1 + T2 + T3 with ``NB_PLANNING_FACTOR``·S micro-batches. A
+    pipeline instantiated from it runs the split ``split_at`` picks for its micro-batch count.
     """
 
     nodes: int
@@ -62,6 +64,8 @@ class TemplateSet:
 class _Tables:
     """Per-layer prefix sums of a profile as (L+1)×(L+1) matrices over layer ranges [x, e)."""
 
+    fwd: FloatArray  # F of [0, e), by e
+    bwd: FloatArray  # B of [0, e), by e
     work: FloatArray  # F + B of [x, e)
     suffix: FloatArray  # F + B of [x, L)
     static: FloatArray
@@ -73,11 +77,15 @@ class _Tables:
 def _tables(profile: ModelProfile) -> _Tables:
     ends = range(profile.layers + 1)
     # the profile's own prefix sums, so that memory matches stage_peak_bytes bit for bit
-    work = np.array([profile.fwd(0, i) + profile.bwd(0, i) for i in ends])
+    fwd = np.array([profile.fwd(0, i) for i in ends])
+    bwd = np.array([profile.bwd(0, i) for i in ends])
+    work = fwd + bwd
     static = np.array([profile.static_bytes(0, i) for i in ends])
     act = np.array([profile.activation_bytes(0, i) for i in ends])
     x = np.arange(profile.layers + 1)
     return _Tables(
+        fwd=fwd,
+        bwd=bwd,
         work=work[None, :] - work[:, None],
         suffix=work[-1] - work,
         static=static[None, :] - static[:, None],
@@ -104,7 +112,11 @@ def template_time(profile: ModelProfile, layers: Layers, micro_batches: int | No
 
 @lru_cache(maxsize=4096)
 def best_split(
-    profile: ModelProfile, stages: int, tp: int, capacity_bytes: float
+    profile: ModelProfile,
+    stages: int,
+    tp: int,
+    capacity_bytes: float,
+    micro_batches: int | None = None,
 ) -> tuple[Layers, float] | None:
     """The split of the layers over ``stages`` stages with the least ``template_time``.
 
@@ -112,13 +124,15 @@ def best_split(
     position, so the least maximum over stages is an exact min-max partition DP, O(S·L²) with
     numpy, instead of the paper's divide and conquer over (S', u, v, d). Stages over eq. 14 device
     memory with S − k micro-batches in flight are excluded (oobleck.md §8 item 7: the code has no
-    filter). Returns the split and its time, or None when no split fits.
+    filter). ``micro_batches`` (default 4S) is the N_b of T2; the memory filter always counts
+    S − k micro-batches in flight, so the splits considered do not depend on it. Returns the split
+    and its time, or None when no split fits.
     """
     layers = profile.layers
     if not 1 <= stages <= layers:
         return None
     t = _tables(profile)
-    nb = NB_PLANNING_FACTOR * stages
+    nb = NB_PLANNING_FACTOR * stages if micro_batches is None else micro_batches
     columns = np.arange(layers + 1)
     best = np.full(layers + 1, math.inf)
     choices: list[np.ndarray[Any, np.dtype[np.intp]]] = []
@@ -127,9 +141,7 @@ def best_split(
         cost = (nb - stages + k - 1) * t.work + t.suffix[:, None]
         bad = t.empty
         if math.isfinite(capacity_bytes):
-            # Odyssey eq. 14: S − k micro-batches in flight at stage k (N_b = 4S ≥ S − k)
-            peak = (t.static + (stages - k) * t.activations) / tp
-            bad = bad | (peak > capacity_bytes)
+            bad = bad | _over_memory(t.static, t.activations, stages - k, tp, capacity_bytes)
         cost = np.where(bad, math.inf, cost)
         if k == 0:
             best = cost[0].copy()
@@ -147,7 +159,93 @@ def best_split(
     cuts.append(0)
     cuts.reverse()
     split = tuple(pairwise(cuts))
-    return split, template_time(profile, split)
+    return split, template_time(profile, split, micro_batches)
+
+
+def _over_memory(
+    static: FloatArray,
+    activations: FloatArray,
+    in_flight: int | np.ndarray[Any, np.dtype[np.intp]],
+    tp: int,
+    capacity_bytes: float,
+) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Odyssey eq. 14 over device memory, with ``in_flight`` micro-batches' activations held.
+
+    Stage k of S holds S − k (its 1F1B warm-up plus the one it runs) whenever N_b ≥ S. Planning
+    counts that many whatever a pipeline's share turns out to be, so a split fits every share.
+    """
+    over: np.ndarray[Any, np.dtype[np.bool_]] = (
+        static + in_flight * activations
+    ) / tp > capacity_bytes
+    return over
+
+
+def step_time(profile: ModelProfile, layers: Layers, micro_batches: int) -> float:
+    """Odyssey eq. 11 of one pipeline with this split running ``micro_batches`` micro-batches.
+
+    The 1F1B recurrence without point-to-point sends: like the template DP, a split is ranked on
+    its compute alone.
+    """
+    t = _tables(profile)
+    cuts = np.array([[x for x, _ in layers] + [layers[-1][1]]])
+    return float(_split_times(t, cuts, micro_batches)[0])
+
+
+def _split_times(
+    t: _Tables, cuts: np.ndarray[Any, np.dtype[np.intp]], micro_batches: int
+) -> FloatArray:
+    """Eq. 11 of each row of ``cuts`` (stage boundaries 0 = c_0 < … < c_S = L) at once."""
+    fwd = t.fwd[cuts[:, 1:]] - t.fwd[cuts[:, :-1]]
+    bwd = t.bwd[cuts[:, 1:]] - t.bwd[cuts[:, :-1]]
+    return pipeline_times(fwd, bwd, micro_batches)
+
+
+@lru_cache(maxsize=4096)
+def split_at(
+    profile: ModelProfile, stages: int, tp: int, capacity_bytes: float, micro_batches: int
+) -> Layers | None:
+    """The split a pipeline of ``stages`` stages runs when its share is ``micro_batches``.
+
+    T1 + T2 + T3 is a proxy for the 1F1B step, and its N_b = 4S is a guess at the share: the
+    split it ranks first can be slower than another at the pipeline's real count. So the
+    template DP proposes its best splits at 4S (the template's own) and at the real count, the
+    faster of the two by eq. 11 at that count is kept, and a descent then moves one stage
+    boundary by one layer at a time while eq. 11 strictly drops. Every split visited fits memory
+    as ``best_split`` requires, the result is never slower than the template's split at this
+    count, and no single-boundary move improves it (a local optimum: eq. 11 has no min-max
+    structure that an exact DP could use). None when no split fits.
+    """
+    proposed = [best_split(profile, stages, tp, capacity_bytes)]
+    proposed.append(best_split(profile, stages, tp, capacity_bytes, micro_batches))
+    seeds = [split for split, _ in filter(None, proposed)]
+    if not seeds:
+        return None
+    t = _tables(profile)
+    rows = np.array([[x for x, _ in split] + [profile.layers] for split in seeds])
+    times = _split_times(t, rows, micro_batches)
+    first = int(np.argmin(times))  # ties keep the template's split
+    cuts, best = rows[first], float(times[first])
+    in_flight = stages - np.arange(stages)
+    while stages > 1:
+        moves = np.repeat(cuts[None, :], 2 * (stages - 1), axis=0)
+        inner = np.arange(1, stages)
+        moves[2 * inner - 2, inner] -= 1
+        moves[2 * inner - 1, inner] += 1
+        starts, ends = moves[:, :-1], moves[:, 1:]
+        valid = np.all(starts < ends, axis=1)
+        over = _over_memory(
+            t.static[starts, ends], t.activations[starts, ends], in_flight, tp, capacity_bytes
+        )
+        fits = ~over.any(axis=1)
+        moves = moves[valid & fits]
+        if not len(moves):
+            break
+        times = _split_times(t, moves, micro_batches)
+        pick = int(np.argmin(times))
+        if not times[pick] < best * (1 - 1e-12):
+            break
+        cuts, best = moves[pick], float(times[pick])
+    return tuple((int(x), int(e)) for x, e in pairwise(cuts))
 
 
 @lru_cache(maxsize=64)
@@ -207,30 +305,30 @@ def instantiation_options(sizes: Sequence[int], nodes: int, f: int = 0) -> list[
 def fill_time(fill_s: float, period_s: float, micro_batches: int) -> float:
     """1F1B time of k micro-batches: fill and drain once, then one bottleneck period each.
 
-    Eq. 9 for equal stages; for unequal ones the fill-and-drain bound the batch split uses.
+    Eq. 9 for equal stages; for unequal ones the fill-and-drain bound that choosing the set of
+    templates (``best_instantiation``) uses.
     """
     return fill_s + (micro_batches - 1) * period_s
 
 
-def water_fill(
-    micro_batches: int, fill_s: Sequence[float], period_s: Sequence[float]
-) -> list[int] | None:
+def water_fill(micro_batches: int, finish_s: Sequence[Callable[[int], float]]) -> list[int] | None:
     """oobleck.md §7 batch distribution: one micro-batch each, then each to the lowest finish.
 
-    Greedy is optimal for the least maximum of increasing functions; it stands in for §4.2.2
-    eq. 6, whose integer program mixes per-pipeline and per-template indices (oobleck.md §8
-    item 4). None when there are fewer micro-batches than pipelines. Ties go to the lower index.
+    ``finish_s[i](k)`` is pipeline i's step with k micro-batches. Greedy is optimal for the least
+    maximum of increasing functions; it stands in for §4.2.2 eq. 6, whose integer program mixes
+    per-pipeline and per-template indices (oobleck.md §8 item 4). None when there are fewer
+    micro-batches than pipelines. Ties go to the lower index.
     """
-    count = len(fill_s)
+    count = len(finish_s)
     if micro_batches < count or count == 0:
         return None
     shares = [1] * count
-    heap = [(fill_time(fill_s[i], period_s[i], 2), i) for i in range(count)]
+    heap = [(finish_s[i](2), i) for i in range(count)]
     heapq.heapify(heap)
     for _ in range(micro_batches - count):
         _, i = heapq.heappop(heap)
         shares[i] += 1
-        heapq.heappush(heap, (fill_time(fill_s[i], period_s[i], shares[i] + 1), i))
+        heapq.heappush(heap, (finish_s[i](shares[i] + 1), i))
     return shares
 
 

@@ -12,6 +12,7 @@ def test_core_and_paper_dp_agree_on_12_layers_and_4_nodes() -> None:
     row = measure(llama2_70b(12), 4, baseline_budget_s=10.0, repeats=1)
     assert row["paper_dp_complete"]
     assert row["templates"] == row["templates_checked"] == 3  # 1 … N − f·n0 nodes
+    assert 0 <= row["ranked_splits_moved"] <= row["templates"] and row["rank_s"] > 0
     assert all(
         math.isclose(a, b, rel_tol=1e-9)
         for a, b in zip(row["template_time_s"], row["paper_dp_template_time_s"], strict=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -10,7 +10,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from controlplane.recovery.errors import InfeasiblePlan
-from controlplane.recovery.estimator.time import p2p_times
+from controlplane.recovery.estimator.time import cached_pipeline_time, p2p_times, stage_times
 from controlplane.recovery.model import (
     Candidate,
     Cluster,
@@ -37,6 +37,7 @@ from controlplane.recovery.templates import (
     TemplateSet,
     best_instantiation,
     build_templates,
+    split_at,
     water_fill,
 )
 
@@ -152,10 +153,12 @@ def _merge(pipelines: list[list[int]], min_nodes: int) -> list[list[int]]:
 
 @dataclass(frozen=True, slots=True)
 class _Draft:
-    """A pipeline before its batch share: its nodes and its stages."""
+    """A pipeline before its batch share: its nodes, its stages, and whether a template made it
+    (a template pipeline's split is chosen again at its share; a kept pipeline stays as it is)."""
 
     nodes: NodeList
     stages: tuple[Stage, ...]
+    from_template: bool = True
 
 
 def _assign_nodes(
@@ -229,16 +232,30 @@ def _finish(
     old_plan: ExecutionPlan | None,
     drafts: Sequence[_Draft],
 ) -> tuple[ExecutionPlan, Placement] | str:
-    """Share the batch by water-filling and cost the weight copy (oobleck.md §7)."""
+    """Share the batch by water-filling, split each template pipeline for its share, and cost the
+    weight copy (oobleck.md §7).
+
+    Water-filling weighs each pipeline by the estimator's own eq. 11 at every count it tries, a
+    template pipeline on the split it would run at that count, so the shares balance the step
+    times the plan is scored by.
+    """
     drafts = sorted(drafts, key=lambda d: (len(d.nodes), d.nodes))
-    fill, period = [], []
-    for d in drafts:
-        work = [profile.fwd(*s.layers) + profile.bwd(*s.layers) for s in d.stages]
-        # 1F1B fill and drain: every stage once, every boundary once each way
-        tp = len(d.stages[0].devices)
-        fill.append(sum(work) + 2 * sum(p2p_times(profile, cluster, d.stages, tp)))
-        period.append(max(work))
-    shares = water_fill(training.micro_batches, fill, period)
+
+    def stages_at(draft: _Draft, micro_batches: int) -> tuple[Stage, ...]:
+        if not draft.from_template:
+            return draft.stages
+        return _split_for_share(profile, cluster, draft, micro_batches)
+
+    def step_s(draft: _Draft) -> Callable[[int], float]:
+        def at(micro_batches: int) -> float:
+            stages = stages_at(draft, micro_batches)
+            t_f, t_b = stage_times(profile, stages)
+            p2p = p2p_times(profile, cluster, stages, len(stages[0].devices))
+            return cached_pipeline_time(t_f, t_b, micro_batches, p2p)
+
+        return at
+
+    shares = water_fill(training.micro_batches, [step_s(d) for d in drafts])
     if shares is None:
         return (
             f"batch_too_small: {training.micro_batches} micro-batches cannot cover "
@@ -247,7 +264,8 @@ def _finish(
         )
     plan = ExecutionPlan(
         pipelines=tuple(
-            Pipeline(stages=d.stages, micro_batches=m) for d, m in zip(drafts, shares, strict=True)
+            Pipeline(stages=stages_at(d, m), micro_batches=m)
+            for d, m in zip(drafts, shares, strict=True)
         ),
         family=Family.DYNAMIC,
     )
@@ -260,6 +278,21 @@ def _finish(
     if old_plan is not None and placement.unsourced_layers:
         return _layer_lost(placement.unsourced_layers)
     return plan, placement
+
+
+def _split_for_share(
+    profile: ModelProfile, cluster: Cluster, draft: _Draft, micro_batches: int
+) -> tuple[Stage, ...]:
+    """The draft's stages on the split ``split_at`` ranks first at this share; devices stay.
+
+    ``split_at`` starts from the template's split, so the pipeline's compute never gets slower.
+    Nodes were placed for the template's split; the weight copy is costed on the final ranges.
+    """
+    stages = draft.stages
+    tp = len(stages[0].devices)
+    split = split_at(profile, len(stages), tp, cluster.device_memory_bytes, micro_batches)
+    assert split is not None, "the template's own split fits memory"
+    return tuple(replace(s, layers=r) for s, r in zip(stages, split, strict=True))
 
 
 def _layer_lost(ranges: Sequence[LayerRange]) -> str:
@@ -467,7 +500,7 @@ class OobleckPolicy:
             same = unchanged.get(frozenset(nodes))
             if same is not None:
                 # treated as it is: the scenario's pipelines need not come from templates
-                drafts.append(_Draft(nodes=nodes, stages=same.stages))
+                drafts.append(_Draft(nodes=nodes, stages=same.stages, from_template=False))
                 continue
             template = templates.get(len(nodes))
             if template is None:

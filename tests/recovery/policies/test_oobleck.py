@@ -6,6 +6,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import pytest
 from hypothesis import assume, given, settings
@@ -308,7 +309,7 @@ def test_best_instantiation_matches_brute_force(
     for x in instantiation_options(sizes, nodes, f):
         pipelines = [n for n, count in zip(sizes, x, strict=True) for _ in range(count)]
         shares = water_fill(
-            micro_batches, [fill[n] for n in pipelines], [period[n] for n in pipelines]
+            micro_batches, [partial(fill_time, fill[n], period[n]) for n in pipelines]
         )
         if shares is not None:
             best = min(
@@ -325,7 +326,7 @@ def test_best_instantiation_matches_brute_force(
     chosen, limit = found
     assert limit == pytest.approx(best)
     assert sum(chosen) == nodes and f + 1 <= len(chosen) <= micro_batches
-    shares = water_fill(micro_batches, [fill[n] for n in chosen], [period[n] for n in chosen])
+    shares = water_fill(micro_batches, [partial(fill_time, fill[n], period[n]) for n in chosen])
     assert shares is not None
     assert max(
         fill_time(fill[n], period[n], k) for n, k in zip(chosen, shares, strict=True)
@@ -333,9 +334,10 @@ def test_best_instantiation_matches_brute_force(
 
 
 def test_water_filling_keeps_the_batch_and_balances_finish_times() -> None:
-    shares = water_fill(64, [10.0, 10.0, 12.0], [2.0, 2.0, 1.5])
+    finish = [partial(fill_time, 10.0, 2.0), partial(fill_time, 10.0, 2.0)]
+    shares = water_fill(64, [*finish, partial(fill_time, 12.0, 1.5)])
     assert shares is not None and sum(shares) == 64
-    assert water_fill(2, [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]) is None
+    assert water_fill(2, [partial(fill_time, 1.0, 1.0)] * 3) is None
 
 
 # --- repair (§5.1), vectors from the develop branch's tests ---------------------------------
