@@ -24,6 +24,8 @@ from controlplane.recovery.policies.base import interrupted_work_s, score
 WINDOW_TOP_K = 256
 WINDOW_NODE_BUDGET = 50_000
 WINDOW_MIN_SCORED = 8
+# Device groups placed in all, over the shapes scored (each placement costs O(groups)).
+WINDOW_PLACED_GROUPS = 16_384
 
 
 # Reason of a re-plan that was not placed because another option's objective beats its bound.
@@ -130,7 +132,7 @@ def plan_dynamic(
         return bound > best.objective * (1 + 1e-12)
 
     # Placements cost O(groups) and more at scale; small clusters score the whole window.
-    limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, 4096 // len(groups))
+    limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
     for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
         if not could_win(shape):
             break
