@@ -11,9 +11,7 @@ from fractions import Fraction
 from itertools import pairwise
 from typing import Any
 
-import networkx as nx
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from controlplane.recovery.errors import InfeasiblePlan, InvalidScenario
 from controlplane.recovery.model import Cluster, ExecutionPlan, ModelProfile
@@ -44,14 +42,6 @@ class Placement:
     transfer_s: float
     unsourced_layers: tuple[LayerRange, ...] = ()
     unsourced_bytes: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class SyncSegment:
-    """A maximal run of layers held by the same device groups: one fused all-reduce."""
-
-    layers: LayerRange
-    groups: tuple[Group, ...]
 
 
 def held_ranges(plan: ExecutionPlan | None) -> dict[Group, LayerRange]:
@@ -223,6 +213,8 @@ def _flows_by_matrix(
     cost: np.ndarray[Any, np.dtype[np.float64]], supply: list[int], demand: list[int]
 ) -> list[list[int]]:
     """Kuhn-Munkres on the matrix expanded to one row per group and one column per slot."""
+    from scipy.optimize import linear_sum_assignment  # scipy loads only when a plan is placed
+
     rows = np.repeat(np.arange(len(supply)), supply)
     cols = np.repeat(np.arange(len(demand)), demand)
     picked_rows, picked_cols = linear_sum_assignment(cost[np.ix_(rows, cols)])
@@ -238,6 +230,8 @@ def _flows_by_network(
     exact = [[Fraction(float(c)) for c in row] for row in cost]
     # floats are dyadic rationals, so the largest denominator is a common one: no rounding
     scale = max(f.denominator for row in exact for f in row)
+    import networkx as nx  # loads only for placements too large for the dense matrix
+
     graph: Any = nx.DiGraph()
     graph.add_node("idle", demand=sum(supply) - sum(demand))
     for b, d in enumerate(demand):
@@ -396,60 +390,3 @@ def _evaluate(
         unsourced_layers=tuple(_union(sorted(unsourced))),
         unsourced_bytes=unsourced_bytes,
     )
-
-
-def sync_segments(plan: ExecutionPlan) -> list[SyncSegment]:
-    """Odyssey Fig. 4: the layer axis cut where any pipeline's holder changes, runs merged.
-
-    Rerouted stages are skipped: they borrow replicas that already hold their layers, so a
-    segment's groups are its distinct live holders, in pipeline order.
-    """
-    cuts = sorted({x for _, _, stage in plan.stages() for x in stage.layers})
-    index = {c: i for i, c in enumerate(cuts)}
-    holders: list[list[Group | None]] = [[None] * plan.dp for _ in cuts[1:]]
-    for p, _, stage in plan.stages():
-        if not stage.rerouted:
-            for k in range(index[stage.layers[0]], index[stage.layers[1]]):
-                holders[k][p] = stage.devices
-    segments = []
-    start = 0
-    for k in range(1, len(holders) + 1):
-        if k == len(holders) or holders[k] != holders[start]:
-            live = dict.fromkeys(g for g in holders[start] if g is not None)
-            segments.append(SyncSegment(layers=(cuts[start], cuts[k]), groups=tuple(live)))
-            start = k
-    return segments
-
-
-def sync_rounds(plan: ExecutionPlan) -> list[list[SyncSegment]]:
-    """Odyssey Fig. 4: segments sharing a device all-reduce in different rounds (graph colouring).
-
-    Returns the rounds in colour order, each with its segments in layer order.
-    """
-    segments = sync_segments(plan)
-    owners: dict[int, list[int]] = defaultdict(list)
-    for i, segment in enumerate(segments):
-        for group in segment.groups:
-            for d in group:
-                owners[d].append(i)
-    earlier: list[set[int]] = [set() for _ in segments]
-    for ids in {tuple(v) for v in owners.values()}:
-        for i in ids:
-            earlier[i].update(j for j in ids if j < i)
-    # Greedy in layer order, not largest first. Two segments conflict only when one stage holds
-    # both (stages own disjoint devices), and a stage holds a run of consecutive segments, so the
-    # conflict graph is an interval graph: left-to-right greedy colours it with its clique number.
-    # The first and last segments of a clique share a stage, which then holds the whole clique,
-    # so that number is the most segments on one device, a lower bound: the colouring is optimal.
-    # Largest first would take 3 rounds on Fig. 4's path of 6 segments.
-    colour: list[int] = []
-    for i in range(len(segments)):
-        used = {colour[j] for j in earlier[i]}
-        c = 0
-        while c in used:
-            c += 1
-        colour.append(c)
-    rounds: list[list[SyncSegment]] = [[] for _ in range(max(colour, default=-1) + 1)]
-    for segment, c in zip(segments, colour, strict=True):
-        rounds[c].append(segment)
-    return rounds

@@ -16,17 +16,15 @@ from scipy.optimize import linprog
 
 from controlplane.recovery import restorer
 from controlplane.recovery.errors import InfeasiblePlan, InvalidScenario, UnknownDevice
+from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds, sync_segments
 from controlplane.recovery.estimator.time import gradient_sync_time, ring_allreduce_s
 from controlplane.recovery.model import Cluster, ExecutionPlan, ModelProfile, Pipeline, Stage
 from controlplane.recovery.restorer import (
     Placement,
-    SyncSegment,
     held_ranges,
     missing_bytes,
     place,
     place_in_device_order,
-    sync_rounds,
-    sync_segments,
 )
 
 Group = tuple[int, ...]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds
 from controlplane.recovery.model import (
     Cluster,
     ExecutionPlan,
@@ -15,7 +16,6 @@ from controlplane.recovery.model import (
     Pipeline,
     Stage,
 )
-from controlplane.recovery.restorer import SyncSegment, sync_rounds
 
 
 def symmetric_step_time(n_pp: int, n_m: int, t_f: float, t_b: float) -> float:

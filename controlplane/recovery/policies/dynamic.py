@@ -132,7 +132,11 @@ def plan_dynamic(
         return bound > best.objective * (1 + 1e-12)
 
     # Placements cost O(groups) and more at scale; small clusters score the whole window.
-    limit = len(window.shapes) if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
+    limit = (
+        len(window.shapes)
+        if exhaustive
+        else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
+    )
     for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
         if not could_win(shape):
             break

@@ -1,0 +1,47 @@
+"""What importing the core costs: a training node imports the estimator and the registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("scipy", "networkx", "simpy", "plotly")
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "controlplane.recovery.policies",
+        "controlplane.recovery.estimator",
+        "controlplane.recovery.planner",
+        "controlplane.recovery.model",
+    ],
+)
+def test_importing_the_core_loads_no_heavy_library(module: str) -> None:
+    """The registry promises lazy loading: scipy and networkx come only with a placement."""
+    code = (
+        f"import json, sys; import {module}; "
+        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert json.loads(out) == []
+
+
+def test_placing_a_plan_still_finds_its_solvers() -> None:
+    """The solvers load where they are used; a placement works from a fresh interpreter."""
+    code = (
+        "from tests.recovery.builders import grid_state\n"
+        "from controlplane.recovery.policies.dynamic import plan_dynamic\n"
+        "import sys\n"
+        "c = plan_dynamic('dynamic', grid_state(pp=2, dp=3, failed=[1]))\n"
+        "print(c.feasible, 'scipy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.split() == ["True", "True"]
