@@ -4,7 +4,12 @@ import os
 
 from django.core.asgi import get_asgi_application
 
+from controlplane import defaults
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+# A serving process: it keeps the generated key and starts (or reuses) the embedded Redis where
+# the environment sets neither, before get_asgi_application() reads the settings.
+defaults.provide(redis=True)
 
 # Set up Django (settings, apps) before anything imports models through the routing.
 django_application = get_asgi_application()

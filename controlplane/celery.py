@@ -1,8 +1,12 @@
 """Celery application of the control plane: broker and result backend on REDIS_URL."""
 
 import os
+from typing import Any
 
 from celery import Celery
+from django.conf import settings
+
+from controlplane import defaults
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
@@ -10,3 +14,16 @@ app = Celery("controlplane")
 # Every CELERY_* Django setting configures the app (CELERY_BROKER_URL -> broker_url, ...).
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@app.on_configure.connect
+def _provide_defaults(**kwargs: Any) -> None:
+    """Provide the embedded Redis to a Celery command (worker, beat, ...) that needs one.
+
+    `celery -A controlplane worker` reads this app's configuration before anything else loads
+    Django's settings, so this is the moment to publish REDIS_URL. A process that loaded the
+    settings first (the ASGI server, manage.py, the tests) made its own choice already, and
+    starting a server now would not reach its settings.
+    """
+    if not settings.configured:
+        defaults.provide(redis=True)

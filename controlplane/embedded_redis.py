@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import functools
 import json
 import os
 import secrets
@@ -114,12 +113,6 @@ def stop_owned() -> None:
     """Stop every server this process started (at exit, or earlier where stderr closes first)."""
     while _owned_servers:
         _owned_servers.pop().stop()
-
-
-@functools.cache
-def default_url(directory: Path) -> str:
-    """URL of the embedded server for `directory`, started on the first call in this process."""
-    return start(directory).url
 
 
 @contextlib.contextmanager

@@ -1,40 +1,37 @@
-"""Django settings, read once from the environment (see README "Configuration")."""
+"""Django settings, read once from the environment (see README "Configuration").
 
-from pathlib import Path
+Importing this module writes no file and starts no process: the generated SECRET_KEY and the
+embedded Redis are provided, when the environment leaves them unset, by the processes that need
+them (`controlplane.defaults`), before Django reads these settings.
+"""
 
 import environ
 
-from controlplane import embedded_redis, secret_key, structured_logging
-
-BASE_DIR = Path(__file__).resolve().parent.parent
+from controlplane import defaults, structured_logging
 
 env = environ.Env()
 
-# Everything the embedded defaults write (SQLite file, embedded Redis, generated key) lives here.
-DATA_DIR = Path(env.str("PITSTOP_DATA_DIR", default=str(BASE_DIR / "var"))).resolve()
+# Everything the embedded defaults keep (SQLite file, embedded Redis, generated key) lives here.
+DATA_DIR = defaults.data_dir()
 
 DEBUG: bool = env.bool("DEBUG", default=False)
 # Configured here, once, instead of through Django's LOGGING (see structured_logging).
 LOGGING_CONFIG = None
-structured_logging.configure(
-    log_format=env.str("LOG_FORMAT", default="console"),
-    level=env.str("LOG_LEVEL", default="INFO"),
-)
+structured_logging.configure_from_environment()
 
-SECRET_KEY: str = env.str("SECRET_KEY", default="") or secret_key.load_or_create(
-    DATA_DIR / "secret_key"
-)
+# Empty unless configured or provided: Django then refuses to sign anything, naming the setting.
+SECRET_KEY: str = env.str("SECRET_KEY", default="")
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 
 DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'pitstop.sqlite3'}")
 }
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # SQLite needs its folder; a PostgreSQL URL needs nothing here.
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
 
-# Unset means "start (or reuse) the embedded server for DATA_DIR"; it stops when this process ends.
-REDIS_URL: str = env.str("REDIS_URL", default="") or embedded_redis.default_url(DATA_DIR / "redis")
+# What a process that does not serve (manage.py migrate, mypy) sees when REDIS_URL is unset: a
+# host in the reserved .invalid domain, which never resolves, so a client that uses it anyway
+# fails naming it. The processes that serve publish the embedded server's URL instead.
+REDIS_NOT_PROVIDED = "redis://embedded-redis-not-started.invalid:6379/0"
+REDIS_URL: str = env.str("REDIS_URL", default="") or REDIS_NOT_PROVIDED
 
 INSTALLED_APPS = [
     "daphne",
@@ -48,7 +45,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "controlplane.jobs",
-    "controlplane.recoveries",
+    "controlplane.incidents",
     "controlplane.api",
     "controlplane.streaming",
     "webui",

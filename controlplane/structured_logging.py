@@ -1,6 +1,7 @@
 """structlog configuration shared by Django's logging: key-value events as JSON or console lines."""
 
 import logging.config
+import os
 
 import structlog
 
@@ -17,8 +18,8 @@ _SHARED_PROCESSORS: list[structlog.types.Processor] = [
 def configure(*, log_format: str, level: str) -> None:
     """Route structlog and standard logging through one structured formatter, from now on.
 
-    Applied at once rather than by Django's setup, so that events logged while the settings
-    load (the embedded Redis starting) are formatted like every later one.
+    Applied at once rather than by Django's setup, so that events logged before Django starts
+    (the embedded Redis starting, see `controlplane.defaults`) are formatted like every later one.
     """
     if log_format not in LOG_FORMATS:
         raise ValueError(f"LOG_FORMAT must be one of {LOG_FORMATS}, not {log_format!r}")
@@ -57,4 +58,12 @@ def configure(*, log_format: str, level: str) -> None:
             "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
             "root": {"handlers": ["console"], "level": level},
         }
+    )
+
+
+def configure_from_environment() -> None:
+    """`configure` from LOG_FORMAT and LOG_LEVEL (README "Configuration"): console, INFO."""
+    configure(
+        log_format=os.environ.get("LOG_FORMAT") or "console",
+        level=os.environ.get("LOG_LEVEL") or "INFO",
     )

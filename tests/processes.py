@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,9 +34,11 @@ def clean_environment(**overrides: str) -> dict[str, str]:
     return env
 
 
+# The settings module itself, not django.conf.settings: that refuses to hand out an empty
+# SECRET_KEY, and the tests want to see what the module computes from the environment.
 _SETTINGS_PROBE = """
 import json
-from django.conf import settings
+from controlplane import settings
 database = settings.DATABASES["default"]
 print(json.dumps({
     "ENGINE": database["ENGINE"],
@@ -51,7 +54,7 @@ print(json.dumps({
 
 
 def settings_in_subprocess(env: Mapping[str, str]) -> dict[str, Any]:
-    """Evaluate controlplane.settings in a fresh interpreter with `env`; return chosen values."""
+    """Import controlplane.settings in a fresh interpreter with `env`; return chosen values."""
     completed = subprocess.run(
         [sys.executable, "-c", _SETTINGS_PROBE],
         env=dict(env),
@@ -89,3 +92,11 @@ def process_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stop_leftover_redis(state_path: Path) -> None:
+    """After a failure, leave no embedded Redis (described by `state_path`) running behind."""
+    if state_path.exists():
+        pid = json.loads(state_path.read_text())["pid"]
+        if process_exists(pid):
+            os.kill(pid, signal.SIGTERM)

@@ -66,6 +66,8 @@ def test_pitstop_services_use_the_compose_database_and_redis(
     )
     assert (redis.scheme, redis.hostname) == ("redis", "redis")
     assert set(services[service]["depends_on"]) >= {"postgres", "redis"}
+    # Configured in full, so no process provides an embedded default (controlplane.defaults).
+    assert environment["SECRET_KEY"]
 
 
 def test_agent_runs_the_simulated_node_module(services: dict[str, dict[str, Any]]) -> None:

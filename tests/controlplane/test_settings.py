@@ -1,7 +1,10 @@
-"""Settings come from the environment, with embedded defaults under the data directory."""
+"""Settings come from the environment only: reading them writes no file and starts no process."""
 
-import stat
+import json
+import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -9,7 +12,7 @@ from django.conf import settings
 from django.db import connection
 
 from controlplane import redis_probe
-from tests.processes import clean_environment, settings_in_subprocess
+from tests.processes import REPO_ROOT, clean_environment, settings_in_subprocess
 
 UNUSED_REDIS = "redis://127.0.0.1:1/0"  # never contacted: settings only read the URL
 
@@ -47,30 +50,76 @@ def test_allowed_hosts_default_to_loopback_names(tmp_path: Path) -> None:
     assert values["ALLOWED_HOSTS"] == ["localhost", "127.0.0.1", "[::1]"]
 
 
-def test_secret_key_is_generated_once_and_kept_private(tmp_path: Path) -> None:
+def test_secret_key_is_empty_unless_configured(tmp_path: Path) -> None:
+    # The kept key is provided by the entry points (test_defaults.py), not by the settings.
     env = clean_environment(PITSTOP_DATA_DIR=str(tmp_path), REDIS_URL=UNUSED_REDIS)
-    first = settings_in_subprocess(env)["SECRET_KEY"]
-    second = settings_in_subprocess(env)["SECRET_KEY"]
-    key_file = tmp_path / "secret_key"
-    assert len(first) >= 50
-    assert first == second == key_file.read_text().strip()
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert settings_in_subprocess(env)["SECRET_KEY"] == ""
+    assert settings_in_subprocess({**env, "SECRET_KEY": "configured"})["SECRET_KEY"] == "configured"
 
 
-def test_secret_key_from_environment_wins_over_the_kept_one(tmp_path: Path) -> None:
-    env = clean_environment(PITSTOP_DATA_DIR=str(tmp_path), REDIS_URL=UNUSED_REDIS)
-    settings_in_subprocess(env)  # keeps a generated key
-    values = settings_in_subprocess({**env, "SECRET_KEY": "configured-key"})
-    assert values["SECRET_KEY"] == "configured-key"
-
-
-def test_default_redis_is_embedded_and_stops_with_the_process(tmp_path: Path) -> None:
+def test_unset_redis_url_names_the_missing_server_instead_of_starting_one(tmp_path: Path) -> None:
     values = settings_in_subprocess(clean_environment(PITSTOP_DATA_DIR=str(tmp_path)))
-    url = values["REDIS_URL"]
-    assert url.startswith("redis://:") and "@127.0.0.1:" in url
-    assert not (tmp_path / "redis" / "server.json").exists()
-    with pytest.raises(redis.ConnectionError):
-        redis_probe.ping(url, timeout_s=1)
+    assert urlsplit(values["REDIS_URL"]).hostname == "embedded-redis-not-started.invalid"
+    with pytest.raises(redis.ConnectionError, match="embedded-redis-not-started"):
+        redis_probe.ping(values["REDIS_URL"], timeout_s=1)
+
+
+# Runs `statement`, then reports this process's children and every process on the machine whose
+# command line names the data directory (an embedded redis-server's does), while still running.
+_SIDE_EFFECT_PROBE = """
+import json, os
+from pathlib import Path
+
+{statement}
+
+def processes():
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\\0", b" ").decode()
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        yield int(entry.name), int(stat.rsplit(")", 1)[1].split()[1]), command
+
+data_dir = os.environ["PITSTOP_DATA_DIR"]
+print(json.dumps({{
+    "children": [pid for pid, ppid, _ in processes() if ppid == os.getpid()],
+    "naming_data_dir": [
+        command for pid, _, command in processes() if data_dir in command and pid != os.getpid()
+    ],
+}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import controlplane.settings",
+        "import django; django.setup()",
+        # Django first, then Celery: only a Celery command (nothing loaded yet) starts Redis.
+        "import django; django.setup(); from controlplane.celery import app; app.conf.broker_url",
+    ],
+)
+def test_loading_the_settings_writes_nothing_and_starts_nothing(
+    tmp_path: Path, statement: str
+) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    completed = subprocess.run(
+        [sys.executable, "-c", _SIDE_EFFECT_PROBE.format(statement=statement)],
+        env=clean_environment(PITSTOP_DATA_DIR=str(data_dir)),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert found == {"children": [], "naming_data_dir": []}
+    assert list(data_dir.iterdir()) == []
 
 
 def test_unknown_log_format_is_refused_naming_the_variable(tmp_path: Path) -> None:

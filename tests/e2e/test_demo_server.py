@@ -1,7 +1,6 @@
 """The demo's server start: migrate, serve ASGI on loopback, answer /healthz, stop cleanly."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import REPO_ROOT, clean_environment, free_port, process_exists, wait_until
+from tests.processes import (
+    REPO_ROOT,
+    clean_environment,
+    free_port,
+    process_exists,
+    stop_leftover_redis,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -73,12 +79,4 @@ def test_demo_server_answers_healthz_and_stops_its_embedded_redis(tmp_path: Path
         if server.poll() is None:
             server.kill()
             server.wait()
-        _stop_leftover_redis(tmp_path / "redis" / "server.json")
-
-
-def _stop_leftover_redis(state_path: Path) -> None:
-    """After a failure, leave no embedded Redis running behind this test."""
-    if state_path.exists():
-        pid = json.loads(state_path.read_text())["pid"]
-        if process_exists(pid):
-            os.kill(pid, signal.SIGTERM)
+        stop_leftover_redis(tmp_path / "redis" / "server.json")

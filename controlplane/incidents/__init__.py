@@ -1,0 +1,1 @@
+"""Incidents: Failure, RecoveryDecision, TimelineEvent and the decision state machine."""

@@ -1,0 +1,1 @@
+"""Database models of incidents (none yet): failures, recovery decisions, timeline events."""

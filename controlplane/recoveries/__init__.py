@@ -1,1 +1,0 @@
-"""Recoveries: Failure, RecoveryDecision, TimelineEvent and the decision state machine."""

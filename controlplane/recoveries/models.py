@@ -1,1 +1,0 @@
-"""Database models of recoveries (none yet)."""
