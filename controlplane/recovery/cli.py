@@ -6,18 +6,24 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from controlplane.recovery import policies
 from controlplane.recovery.codes import Caveat
-from controlplane.recovery.errors import RecoveryError
+from controlplane.recovery.errors import InvalidScenario, RecoveryError
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
 from controlplane.recovery.objective import best_index
 from controlplane.recovery.scenario import load_scenario
 
+if TYPE_CHECKING:
+    from controlplane.recovery.simulator.traces import Distribution
+
 EXIT_BAD_INPUT = 2
+T = TypeVar("T")
 
 
 def estimate(state: ClusterState) -> dict[str, Any]:
@@ -55,11 +61,128 @@ CAVEATS = {
 }
 
 
+# The simulator's fields and the flags that set them: its errors name the field, the command
+# line names the flag.
+SIMULATE_FLAGS = {
+    "out_dir": "--out",
+    "hours": "--hours",
+    "policies": "--policies",
+    "seeds": "--seeds",
+    "trace": "--trace",
+    "failure_rate_per_device_hour": "--failure-rate",
+    "weibull_shape": "--weibull-shape",
+    "weibull_scale_hours": "--weibull-scale-hours",
+    "node_failure_prob": "--node-failure-prob",
+    "node_failure_rate_per_node_hour": "--node-failure-rate",
+    "burst_prob": "--burst-prob",
+    "burst_size": "--burst-size",
+    "burst_window_s": "--burst-window-s",
+    "repair_hours": "--repair-hours",
+}
+
+
+# TraceSpec fields set by a flag of the same meaning; a flag left out keeps TraceSpec's default.
+TRACE_OPTIONS = (
+    "failure_rate_per_device_hour",
+    "weibull_shape",
+    "weibull_scale_hours",
+    "node_failure_prob",
+    "node_failure_rate_per_node_hour",
+    "burst_prob",
+    "burst_size",
+    "burst_window_s",
+    "repair_hours",
+)
+
+
 def simulate(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
     """Run the comparison, write summary.json, timeline.json and report.html; return the summary."""
-    from controlplane.recovery.simulator import command  # simpy and plotly load only here
+    from controlplane.recovery import simulator  # simpy and plotly load only here
 
-    return command.run(state, args)
+    if args.spares is not None:
+        state = replace(state, cluster=replace(state.cluster, spares=args.spares))
+    try:
+        trace: simulator.TraceSpec | simulator.Trace
+        if isinstance(args.trace, Path):
+            trace = simulator.load_csv(args.trace, state.cluster)
+        else:
+            given = {field: getattr(args, field) for field in TRACE_OPTIONS}
+            if given["failure_rate_per_device_hour"] is None:
+                given["failure_rate_per_device_hour"] = state.cluster.failure_rate_per_device_hour
+            trace = simulator.TraceSpec(
+                distribution=args.trace,
+                repair_distribution=simulator.RepairDistribution(args.repair_distribution),
+                **{field: value for field, value in given.items() if value is not None},
+            )
+        experiment = simulator.Experiment(
+            hours=args.hours,
+            policies=args.policies,
+            trace=trace,
+            seeds=args.seeds,
+            base_seed=args.seed,
+        )
+        with simulator.progress_bar(experiment) as progress:
+            return simulator.run(
+                state,
+                experiment,
+                out_dir=args.out,
+                report=not args.no_report,
+                save_traces=args.save_traces,
+                scenario=str(args.scenario),
+                progress=progress,
+            )
+    except InvalidScenario as exc:
+        flag = SIMULATE_FLAGS.get(exc.field or "")
+        if flag is None:
+            raise
+        message = str(exc).removeprefix(f"{exc.field}: ")
+        raise type(exc)(message, field=flag) from None
+
+
+# Converters for the simulate flags. argparse turns a ValueError into a usage message, but lets
+# other exceptions through, so a bad value is reported as every bad input is: one line naming
+# the flag, exit code 2.
+def _converter(flag: str, parse: Callable[[str], T], expected: str) -> Callable[[str], T]:
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError:
+            raise InvalidScenario(f"{text!r} is not {expected}", field=flag) from None
+
+    return convert
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _trace_kind(text: str) -> Path | Distribution:
+    """``csv:PATH`` as the path of a trace to replay, else the distribution to draw from."""
+    from controlplane.recovery.simulator.traces import Distribution  # only simulate needs it
+
+    if text.startswith("csv:"):
+        return Path(text[len("csv:") :])
+    try:
+        return Distribution(text)
+    except ValueError:
+        raise InvalidScenario(
+            f"{text!r} is not poisson, weibull or csv:PATH", field="--trace"
+        ) from None
+
+
+def _number(flag: str) -> Callable[[str], float]:
+    return _converter(flag, float, "a number")
+
+
+def _integer(flag: str) -> Callable[[str], int]:
+    return _converter(flag, int, "an integer")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -90,57 +213,107 @@ def parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("scenario", help="scenario JSON file (its plan is the starting plan)")
     sim.add_argument("--out", required=True, metavar="DIR", help="directory for the results")
-    sim.add_argument("--hours", default="9", metavar="H", help="simulated hours (default 9)")
+    sim.add_argument(
+        "--hours",
+        type=_number("--hours"),
+        default=9.0,
+        metavar="H",
+        help="simulated hours (default 9)",
+    )
     sim.add_argument(
         "--policies",
-        default=DEFAULT_POLICIES,
+        type=_policy_list,
+        default=_policy_list(DEFAULT_POLICIES),
         metavar="A,B,…",
         help=f"policies to compare; the ratios divide by the first (default {DEFAULT_POLICIES})",
     )
-    sim.add_argument("--seeds", default="10", metavar="N", help="traces per policy (default 10)")
-    sim.add_argument("--seed", default="0", metavar="BASE", help="seed of the first trace")
+    sim.add_argument(
+        "--seeds",
+        type=_integer("--seeds"),
+        default=10,
+        metavar="N",
+        help="traces per policy (default 10)",
+    )
+    sim.add_argument(
+        "--seed", type=_integer("--seed"), default=0, metavar="BASE", help="seed of the first trace"
+    )
     sim.add_argument(
         "--trace",
+        type=_trace_kind,
         default="poisson",
         metavar="poisson|weibull|csv:PATH",
         help="how failures arrive: drawn per device, or replayed from a CSV file",
     )
     sim.add_argument(
         "--failure-rate",
+        dest="failure_rate_per_device_hour",
+        type=_number("--failure-rate"),
         metavar="R",
         help="failures per device-hour (default: the scenario's cluster failure rate)",
     )
-    sim.add_argument("--weibull-shape", default="1", metavar="K", help="Weibull shape (default 1)")
     sim.add_argument(
-        "--weibull-scale-hours", metavar="S", help="Weibull scale (default: keeps the mean gap)"
+        "--weibull-shape",
+        type=_number("--weibull-shape"),
+        metavar="K",
+        help="Weibull shape (default 1)",
     )
     sim.add_argument(
-        "--node-failure-prob", default="0", metavar="P", help="share of failures taking a node"
+        "--weibull-scale-hours",
+        type=_number("--weibull-scale-hours"),
+        metavar="S",
+        help="Weibull scale (default: keeps the mean gap)",
     )
     sim.add_argument(
-        "--node-failure-rate", default="0", metavar="R", help="whole-node failures per node-hour"
+        "--node-failure-prob",
+        type=_number("--node-failure-prob"),
+        metavar="P",
+        help="share of failures taking a node",
     )
-    sim.add_argument("--burst-prob", default="0", metavar="P", help="chance of a burst")
-    sim.add_argument("--burst-size", default="0", metavar="K", help="failures in a burst")
     sim.add_argument(
-        "--burst-window-s", default="60", metavar="S", help="a burst's spread (default 60 s)"
+        "--node-failure-rate",
+        dest="node_failure_rate_per_node_hour",
+        type=_number("--node-failure-rate"),
+        metavar="R",
+        help="whole-node failures per node-hour",
     )
-    sim.add_argument("--repair-hours", metavar="H", help="repair time (default: never)")
+    sim.add_argument(
+        "--burst-prob", type=_number("--burst-prob"), metavar="P", help="chance of a burst"
+    )
+    sim.add_argument(
+        "--burst-size", type=_integer("--burst-size"), metavar="K", help="failures in a burst"
+    )
+    sim.add_argument(
+        "--burst-window-s",
+        type=_number("--burst-window-s"),
+        metavar="S",
+        help="a burst's spread (default 60 s)",
+    )
+    sim.add_argument(
+        "--repair-hours",
+        type=_number("--repair-hours"),
+        metavar="H",
+        help="repair time (default: never)",
+    )
     sim.add_argument(
         "--repair-distribution",
         default="fixed",
         choices=["fixed", "exponential"],
         help="repair time: exactly H, or exponential with mean H",
     )
-    sim.add_argument("--spares", metavar="N", help="spare devices (default: cluster.spares)")
+    sim.add_argument(
+        "--spares",
+        type=_converter("--spares", _count, "a count ≥ 0"),
+        metavar="N",
+        help="spare devices (default: cluster.spares)",
+    )
     sim.add_argument("--save-traces", action="store_true", help="write each seed's trace as CSV")
     sim.add_argument("--no-report", action="store_true", help="skip report.html")
     return root
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     try:
+        args = parser().parse_args(argv)
         state = load_scenario(args.scenario)
         if args.command == "estimate":
             result = estimate(state)

@@ -18,6 +18,7 @@ HEAVY = ("scipy", "networkx", "simpy", "plotly")
         "controlplane.recovery.estimator",
         "controlplane.recovery.planner",
         "controlplane.recovery.model",
+        "controlplane.recovery.causes",
     ],
 )
 def test_importing_the_core_loads_no_heavy_library(module: str) -> None:

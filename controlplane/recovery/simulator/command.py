@@ -1,11 +1,11 @@
-"""The ``simulate`` command: options to an experiment, a progress bar, the files it writes."""
+"""An experiment end to end: the policies and the ideal over its traces, and the files written."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,116 +13,67 @@ from tqdm import tqdm
 
 from controlplane.recovery.errors import InvalidScenario
 from controlplane.recovery.model import ClusterState
-from controlplane.recovery.simulator.experiment import Experiment, run_experiment
+from controlplane.recovery.simulator.experiment import (
+    Experiment,
+    Progress,
+    run_experiment,
+    run_ideal,
+)
+from controlplane.recovery.simulator.ideal import IDEAL
 from controlplane.recovery.simulator.metrics import summarize
 from controlplane.recovery.simulator.timeline import Run
-from controlplane.recovery.simulator.traces import (
-    Distribution,
-    RepairDistribution,
-    Trace,
-    TraceSpec,
-    load_csv,
-    save_csv,
-)
+from controlplane.recovery.simulator.traces import Trace, save_csv
 
 
-def _number(text: str | None, field: str) -> float | None:
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise InvalidScenario(f"{text!r} is not a number", field=field) from None
+def run(
+    state: ClusterState,
+    experiment: Experiment,
+    *,
+    out_dir: str | Path,
+    report: bool = True,
+    save_traces: bool = False,
+    scenario: str = "",
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Simulate ``experiment`` from ``state`` (its plan is the starting plan, its failed devices
+    are ignored) and write summary.json, timeline.json, report.html unless ``report`` is False,
+    and each seed's trace as CSV with ``save_traces``; return the summary.
 
-
-def _float(text: str, field: str) -> float:
-    value = _number(text, field)
-    assert value is not None
-    return value
-
-
-def _integer(text: str | None, field: str) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise InvalidScenario(f"{text!r} is not an integer", field=field) from None
-
-
-def _trace(state: ClusterState, args: argparse.Namespace) -> TraceSpec | Trace:
-    kind: str = args.trace
-    if kind.startswith("csv:"):
-        return load_csv(kind[len("csv:") :], state.cluster)
-    if kind not in {d.value for d in Distribution}:
-        raise InvalidScenario(f"{kind!r} is not poisson, weibull or csv:PATH", field="--trace")
-    rate = _number(args.failure_rate, "--failure-rate")
-    return TraceSpec(
-        distribution=Distribution(kind),
-        failure_rate_per_device_hour=(
-            state.cluster.failure_rate_per_device_hour if rate is None else rate
-        ),
-        weibull_shape=_float(args.weibull_shape, "--weibull-shape"),
-        weibull_scale_hours=_number(args.weibull_scale_hours, "--weibull-scale-hours"),
-        node_failure_prob=_float(args.node_failure_prob, "--node-failure-prob"),
-        node_failure_rate_per_node_hour=_float(args.node_failure_rate, "--node-failure-rate"),
-        burst_prob=_float(args.burst_prob, "--burst-prob"),
-        burst_size=_integer(args.burst_size, "--burst-size") or 0,
-        burst_window_s=_float(args.burst_window_s, "--burst-window-s"),
-        repair_hours=_number(args.repair_hours, "--repair-hours"),
-        repair_distribution=RepairDistribution(args.repair_distribution),
-    )
-
-
-def experiment_from(state: ClusterState, args: argparse.Namespace) -> Experiment:
-    return Experiment(
-        hours=_float(args.hours, "--hours"),
-        policies=tuple(name.strip() for name in args.policies.split(",") if name.strip()),
-        trace=_trace(state, args),
-        seeds=_integer(args.seeds, "--seeds") or 0,
-        base_seed=_integer(args.seed, "--seed") or 0,
-    )
-
-
-def with_spares(state: ClusterState, text: str | None) -> ClusterState:
-    spares = _integer(text, "--spares")
-    if spares is None:
-        return state
-    if spares < 0:
-        raise InvalidScenario("must be ≥ 0", field="--spares")
-    return replace(state, cluster=replace(state.cluster, spares=spares))
-
-
-def _write_outputs(
-    out: Path,
-    runs: dict[str, list[Run]],
-    traces: list[Trace],
-    summary: dict[str, Any],
-    args: argparse.Namespace,
-) -> None:
+    ``scenario`` names where ``state`` came from, for the summary and the report's title.
+    Errors are InvalidScenario naming the argument (``out_dir``) or the experiment's field.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InvalidScenario(f"{out} exists and is not a directory", field="out_dir")
+    runs, traces = run_experiment(state, experiment, progress=progress)
+    ideal = run_ideal(state, experiment, traces, progress=progress)
+    parameters = {**experiment.parameters(), "scenario": scenario}
+    summary = summarize(runs, parameters, ideal=ideal)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     timeline = {name: [r.to_dict() for r in policy_runs] for name, policy_runs in runs.items()}
+    timeline[IDEAL] = [r.to_dict() for r in ideal]
     (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
-    if args.save_traces:
-        (out / "traces").mkdir(exist_ok=True)
-        for trace, run in zip(traces, next(iter(runs.values())), strict=True):
-            save_csv(trace, out / "traces" / f"seed-{run.seed}.csv")
-    if not args.no_report:
-        from controlplane.recovery.simulator.report import write_report
+    if save_traces:
+        _save_traces(out / "traces", traces, ideal)
+    if report:
+        from controlplane.recovery.simulator.report import write_report  # plotly loads here
 
-        title = f"Pitstop simulation: {Path(args.scenario).name}"
-        write_report(out / "report.html", runs, summary, title)
+        title = f"Pitstop simulation: {Path(scenario).name}" if scenario else "Pitstop simulation"
+        write_report(out / "report.html", runs, summary, title, ideal=ideal)
+    return summary
 
 
-def run(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
-    """Parse the options, simulate with a progress bar on a terminal, write the files."""
-    state = with_spares(state, args.spares)
-    experiment = experiment_from(state, args)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise InvalidScenario(f"{out} exists and is not a directory", field="--out")
-    total_h = experiment.hours * experiment.seeds * len(experiment.policies)
+def _save_traces(folder: Path, traces: list[Trace], runs: list[Run]) -> None:
+    folder.mkdir(exist_ok=True)
+    for trace, run in zip(traces, runs, strict=True):
+        save_csv(trace, folder / f"seed-{run.seed}.csv")
+
+
+@contextmanager
+def progress_bar(experiment: Experiment) -> Iterator[Progress]:
+    """A progress bar in simulated hours on stderr, drawn only when stderr is a terminal."""
+    total_h = experiment.hours * experiment.seeds * (len(experiment.policies) + 1)  # + the ideal
     done: dict[tuple[str, int], float] = {}
     with tqdm(
         total=round(total_h, 3),
@@ -140,7 +91,4 @@ def run(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
                 bar.set_postfix_str(f"{policy} seed {seed}", refresh=False)
                 bar.update(step)
 
-        runs, traces = run_experiment(state, experiment, progress=progress)
-    summary = summarize(runs, {**experiment.parameters(), "scenario": str(args.scenario)})
-    _write_outputs(out, runs, traces, summary, args)
-    return summary
+        yield progress

@@ -11,6 +11,7 @@ from typing import Any
 import simpy
 
 from controlplane.recovery import policies
+from controlplane.recovery.causes import Cause
 from controlplane.recovery.model import (
     Candidate,
     ClusterState,
@@ -22,11 +23,11 @@ from controlplane.recovery.objective import best_index
 from controlplane.recovery.policies.base import Policy, interrupted_work_s
 from controlplane.recovery.policies.checkpoint import CheckpointPolicy
 from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
-from controlplane.recovery.simulator.timeline import Cause, Recovery, Run, Segment
+from controlplane.recovery.simulator.timeline import Recovery, Run, Segment
 from controlplane.recovery.simulator.traces import Trace, TraceFailure
 
 # At equal times a repair runs before a failure, so a device may come back and fail at once.
-_REPAIR, _FAIL = 0, 1
+REPAIR, FAIL = 0, 1
 
 Progress = Callable[[float], None]
 
@@ -41,9 +42,9 @@ def trace_events(trace: Trace) -> list[tuple[float, int, int, TraceFailure]]:
     """Failures and the repairs they imply, in the order the engine applies them."""
     events = []
     for i, f in enumerate(trace.failures):
-        events.append((f.time_s, _FAIL, i, f))
+        events.append((f.time_s, FAIL, i, f))
         if f.repair_s is not None:
-            events.append((f.repaired_at_s, _REPAIR, i, f))
+            events.append((f.repaired_at_s, REPAIR, i, f))
     events.sort(key=lambda e: e[:3])
     return events
 
@@ -345,7 +346,7 @@ def _feed(
     for time_s, what, _, failure in events:
         if time_s > env.now:
             yield env.timeout(time_s - env.now)
-        if what == _FAIL:
+        if what == FAIL:
             job.fail(failure)
         else:
             job.repair(failure)

@@ -10,6 +10,7 @@ from controlplane.recovery import policies
 from controlplane.recovery.errors import InvalidScenario
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.simulator.engine import simulate
+from controlplane.recovery.simulator.ideal import IDEAL, ideal_run
 from controlplane.recovery.simulator.timeline import Run
 from controlplane.recovery.simulator.traces import SECONDS_PER_HOUR, Trace, TraceSpec, generate
 
@@ -30,13 +31,13 @@ class Experiment:
 
     def __post_init__(self) -> None:
         if not self.hours > 0:
-            raise InvalidScenario(f"must be > 0, got {self.hours}", field="--hours")
+            raise InvalidScenario(f"must be > 0, got {self.hours}", field="hours")
         if self.seeds < 1:
-            raise InvalidScenario(f"must be ≥ 1, got {self.seeds}", field="--seeds")
+            raise InvalidScenario(f"must be ≥ 1, got {self.seeds}", field="seeds")
         if not self.policies:
-            raise InvalidScenario("names no policy", field="--policies")
+            raise InvalidScenario("names no policy", field="policies")
         if len(set(self.policies)) != len(self.policies):
-            raise InvalidScenario("names a policy twice", field="--policies")
+            raise InvalidScenario("names a policy twice", field="policies")
         for name in self.policies:
             policies.get(name)  # an unknown name fails here, listing the known ones
 
@@ -92,6 +93,23 @@ def run_experiment(
                 simulate(state, name, trace, experiment.horizon_s, seed=seed, progress=tick)
             )
     return runs, traces
+
+
+def run_ideal(
+    state: ClusterState,
+    experiment: Experiment,
+    traces: list[Trace],
+    *,
+    progress: Progress | None = None,
+) -> list[Run]:
+    """The ideal (simulator.ideal) over each seed's trace, in seed order: the bound of the
+    policies that ran on the same traces."""
+    runs = []
+    for i, trace in enumerate(traces):
+        seed = experiment.base_seed + i
+        tick = None if progress is None else _ticker(progress, IDEAL, seed)
+        runs.append(ideal_run(state, trace, experiment.horizon_s, seed=seed, progress=tick))
+    return runs
 
 
 def _ticker(progress: Progress, name: str, seed: int) -> Callable[[float], None]:

@@ -10,7 +10,8 @@ from typing import Any
 
 from scipy.stats import t as student_t
 
-from controlplane.recovery.simulator.timeline import DOWN_CAUSES, Run
+from controlplane.recovery.causes import DOWN_CAUSES
+from controlplane.recovery.simulator.timeline import Run
 
 
 def mean_ci95(values: Sequence[float]) -> tuple[float, float, float]:
@@ -42,12 +43,16 @@ def policy_summary(runs: Sequence[Run]) -> dict[str, Any]:
 
 
 def summarize(
-    runs: Mapping[str, Sequence[Run]], parameters: Mapping[str, Any] | None = None
+    runs: Mapping[str, Sequence[Run]],
+    parameters: Mapping[str, Any] | None = None,
+    *,
+    ideal: Sequence[Run] | None = None,
 ) -> dict[str, Any]:
     """``summary.json``: per-policy figures and each one's ratio to the first policy.
 
     A ratio is samples_mean of the first policy over samples_mean of the policy; null when the
-    policy trained nothing.
+    policy trained nothing. With the ``ideal``'s runs (one per seed, in the policies' seed order),
+    its figures and each policy's share of its samples are added.
     """
     table = {name: policy_summary(policy_runs) for name, policy_runs in runs.items()}
     first = next(iter(table.values()))["samples_mean"] if table else 0.0
@@ -56,9 +61,31 @@ def summarize(
         for name, entry in table.items()
     }
     out: dict[str, Any] = {"policies": table, "ratios": ratios}
+    if ideal is not None:
+        out["ideal"] = policy_summary(ideal)
+        out["share_of_ideal"] = {
+            name: share_of_ideal(policy_runs, ideal) for name, policy_runs in runs.items()
+        }
     if parameters is not None:
         out["parameters"] = dict(parameters)
     return out
+
+
+def share_of_ideal(runs: Sequence[Run], ideal: Sequence[Run]) -> dict[str, Any] | None:
+    """Mean and 95 % interval over seeds of a policy's samples over the ideal's on each trace.
+
+    Seeds on which the ideal trained nothing (nor, then, any policy) have no share; None when
+    no seed has one.
+    """
+    shares = [
+        run.samples / bound.samples
+        for run, bound in zip(runs, ideal, strict=True)
+        if bound.samples > 0
+    ]
+    if not shares:
+        return None
+    mean, lo, hi = mean_ci95(shares)
+    return {"mean": mean, "ci95": [lo, hi]}
 
 
 def time_grid(horizon_s: float, points: int = 200) -> list[float]:

@@ -10,24 +10,22 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from controlplane.recovery.causes import COLOURS, DOWN_CAUSES, Cause
+from controlplane.recovery.simulator.ideal import IDEAL
 from controlplane.recovery.simulator.metrics import (
     mean_cumulative_samples,
     mean_throughput,
     time_grid,
 )
-from controlplane.recovery.simulator.timeline import DOWN_CAUSES, Cause, Run
+from controlplane.recovery.simulator.timeline import Run
 
 HOUR = 3600.0
-# one colour per cause, the same in the downtime bars and the Gantt chart
-COLOURS = {
-    Cause.RUNNING: "#59a14f",
-    Cause.DETECTION: "#e15759",
-    Cause.PLANNING: "#f28e2b",
-    Cause.WEIGHT_TRANSFER: "#4e79a7",
-    Cause.RESTART: "#b07aa1",
-    Cause.LOST_WORK: "#9c755f",
-    Cause.INFEASIBLE: "#333333",
-}
+# the ideal is a reference, not a contender: a dashed grey line beside the policies
+IDEAL_LINE = {"dash": "dash", "color": "#7f7f7f"}
+
+
+def _line(name: str) -> dict[str, str]:
+    return IDEAL_LINE if name == IDEAL else {}
 
 
 def _samples_figure(runs: Mapping[str, Sequence[Run]], times: list[float]) -> go.Figure:
@@ -39,6 +37,7 @@ def _samples_figure(runs: Mapping[str, Sequence[Run]], times: list[float]) -> go
                 y=mean_cumulative_samples(policy_runs, times),
                 name=name,
                 mode="lines",
+                line=_line(name),
             )
         )
     fig.update_layout(
@@ -54,7 +53,13 @@ def _throughput_figure(runs: Mapping[str, Sequence[Run]], times: list[float]) ->
     mids = [(a + b) / 2 / HOUR for a, b in pairwise(times)]
     for name, policy_runs in runs.items():
         fig.add_trace(
-            go.Scatter(x=mids, y=mean_throughput(policy_runs, times), name=name, mode="lines")
+            go.Scatter(
+                x=mids,
+                y=mean_throughput(policy_runs, times),
+                name=name,
+                mode="lines",
+                line=_line(name),
+            )
         )
     fig.update_layout(
         title="Throughput, downtime included (mean over seeds)",
@@ -81,6 +86,28 @@ def _downtime_figure(summary: Mapping[str, Any]) -> go.Figure:
         barmode="stack",
         title="Downtime by cause (mean over seeds)",
         yaxis_title="hours",
+    )
+    return fig
+
+
+def _share_figure(summary: Mapping[str, Any]) -> go.Figure:
+    """Each policy's share of the ideal's samples, with its 95 % interval over seeds."""
+    shares = {n: s for n, s in summary["share_of_ideal"].items() if s is not None}
+    fig = go.Figure(
+        go.Bar(
+            x=list(shares),
+            y=[s["mean"] for s in shares.values()],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [s["ci95"][1] - s["mean"] for s in shares.values()],
+                "arrayminus": [s["mean"] - s["ci95"][0] for s in shares.values()],
+            },
+        )
+    )
+    fig.update_layout(
+        title="Share of the ideal's samples (mean over seeds, 95 % interval)",
+        yaxis={"title": "share", "range": [0, 1.05]},
     )
     return fig
 
@@ -120,26 +147,47 @@ def _gantt_figure(runs: Mapping[str, Sequence[Run]]) -> go.Figure:
 
 
 def write_report(
-    path: Path, runs: Mapping[str, Sequence[Run]], summary: Mapping[str, Any], title: str
+    path: Path,
+    runs: Mapping[str, Sequence[Run]],
+    summary: Mapping[str, Any],
+    title: str,
+    *,
+    ideal: Sequence[Run] | None = None,
 ) -> None:
-    """One self-contained HTML file: plotly.js is embedded, nothing is fetched."""
+    """One self-contained HTML file: plotly.js is embedded, nothing is fetched.
+
+    With the ``ideal``'s runs (and the summary made with them) it is drawn beside the policies
+    and each policy's share of it is shown.
+    """
+    lines = {**runs, IDEAL: ideal} if ideal is not None else runs
     horizon = next(iter(runs.values()))[0].horizon_s
     times = time_grid(horizon)
-    figures = [
-        _samples_figure(runs, times),
-        _throughput_figure(runs, times),
-        _downtime_figure(summary),
-        _gantt_figure(runs),
-    ]
+    figures = [_samples_figure(lines, times), _throughput_figure(lines, times)]
+    if ideal is not None:
+        figures.append(_share_figure(summary))
+    figures += [_downtime_figure(summary), _gantt_figure(lines)]
     parts = [
         fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)
     ]
-    ratios = ", ".join(f"{name} {ratio:.3f}×" for name, ratio in summary["ratios"].items())
+    ratios = ", ".join(
+        f"{name} {'–' if ratio is None else f'{ratio:.3f}×'}"
+        for name, ratio in summary["ratios"].items()
+    )
+    text = (
+        f"<p>Ratios (samples of the first policy over each): <code>{html.escape(ratios)}</code></p>"
+    )
+    if ideal is not None:
+        shares = ", ".join(
+            f"{name} {share['mean']:.3f} [{share['ci95'][0]:.3f}, {share['ci95'][1]:.3f}]"
+            for name, share in summary["share_of_ideal"].items()
+            if share is not None
+        )
+        text += (
+            "<p>Share of the ideal's samples (every recovery free and instant, the fastest plan "
+            f"on the healthy devices; mean [95 % interval]): <code>{html.escape(shares)}</code></p>"
+        )
     path.write_text(
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
-        f"<p>Ratios (samples of the first policy over each): <code>{html.escape(ratios)}</code></p>"
-        + "\n".join(parts)
-        + "</body></html>\n"
+        f"<h1>{html.escape(title)}</h1>" + text + "\n".join(parts) + "</body></html>\n"
     )

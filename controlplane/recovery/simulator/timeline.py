@@ -5,23 +5,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-
-class Cause(StrEnum):
-    """What the job does during a segment: it runs, or it is down for one of these reasons."""
-
-    RUNNING = "running"
-    DETECTION = "detection"
-    PLANNING = "planning"
-    WEIGHT_TRANSFER = "weight_transfer"
-    RESTART = "restart"
-    LOST_WORK = "lost_work"
-    INFEASIBLE = "infeasible"
-
-
-DOWN_CAUSES = tuple(c for c in Cause if c is not Cause.RUNNING)
+from controlplane.recovery.causes import DOWN_CAUSES, Cause
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,26 +88,30 @@ class TraceSpec:
     def __post_init__(self) -> None:
         finite = math.isfinite
         rate = self.failure_rate_per_device_hour
-        _check(finite(rate) and rate >= 0, "--failure-rate", "must be a rate ≥ 0 per device-hour")
         _check(
-            finite(self.weibull_shape) and self.weibull_shape > 0, "--weibull-shape", "must be > 0"
+            finite(rate) and rate >= 0,
+            "failure_rate_per_device_hour",
+            "must be a rate ≥ 0 per device-hour",
+        )
+        _check(
+            finite(self.weibull_shape) and self.weibull_shape > 0, "weibull_shape", "must be > 0"
         )
         scale = self.weibull_scale_hours
-        _check(
-            scale is None or (finite(scale) and scale > 0), "--weibull-scale-hours", "must be > 0"
-        )
+        _check(scale is None or (finite(scale) and scale > 0), "weibull_scale_hours", "must be > 0")
         for name, p in (
-            ("--node-failure-prob", self.node_failure_prob),
-            ("--burst-prob", self.burst_prob),
+            ("node_failure_prob", self.node_failure_prob),
+            ("burst_prob", self.burst_prob),
         ):
             _check(0 <= p <= 1, name, f"must be a probability in [0, 1], got {p}")
         node_rate = self.node_failure_rate_per_node_hour
-        _check(finite(node_rate) and node_rate >= 0, "--node-failure-rate", "must be ≥ 0")
-        _check(self.burst_size >= 0, "--burst-size", "must be ≥ 0")
+        _check(
+            finite(node_rate) and node_rate >= 0, "node_failure_rate_per_node_hour", "must be ≥ 0"
+        )
+        _check(self.burst_size >= 0, "burst_size", "must be ≥ 0")
         window = self.burst_window_s
-        _check(finite(window) and window >= 0, "--burst-window-s", "must be ≥ 0")
+        _check(finite(window) and window >= 0, "burst_window_s", "must be ≥ 0")
         repair = self.repair_hours
-        _check(repair is None or (finite(repair) and repair > 0), "--repair-hours", "must be > 0")
+        _check(repair is None or (finite(repair) and repair > 0), "repair_hours", "must be > 0")
 
     @property
     def mean_gap_hours(self) -> float:
@@ -312,7 +316,7 @@ def load_csv(path: str | Path, cluster: Cluster) -> Trace:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise InvalidScenario(f"cannot read {path}: {exc.strerror}", field="--trace") from None
+        raise InvalidScenario(f"cannot read {path}: {exc.strerror}", field="trace") from None
     return parse_csv(text, cluster, source=str(path))
 
 

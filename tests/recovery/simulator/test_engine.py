@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.recovery.causes import Cause
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
     Assumptions,
@@ -21,7 +22,7 @@ from controlplane.recovery.model import (
 from controlplane.recovery.simulator.engine import simulate
 from controlplane.recovery.simulator.experiment import Experiment, run_experiment
 from controlplane.recovery.simulator.metrics import summarize
-from controlplane.recovery.simulator.timeline import Cause, Run
+from controlplane.recovery.simulator.timeline import Run
 from controlplane.recovery.simulator.traces import Trace, TraceFailure, TraceSpec, generate
 from tests.recovery.builders import grid_state
 

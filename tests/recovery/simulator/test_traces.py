@@ -212,17 +212,21 @@ def test_device_may_fail_again_once_repaired() -> None:
 
 
 @pytest.mark.parametrize(
-    ("changes", "field"),
+    ("field", "value"),
     [
-        ({"failure_rate_per_device_hour": -1.0}, "--failure-rate"),
-        ({"weibull_shape": 0.0}, "--weibull-shape"),
-        ({"node_failure_prob": 1.5}, "--node-failure-prob"),
-        ({"burst_prob": -0.1}, "--burst-prob"),
-        ({"repair_hours": 0.0}, "--repair-hours"),
-        ({"burst_size": -1}, "--burst-size"),
+        ("failure_rate_per_device_hour", -1.0),
+        ("weibull_shape", 0.0),
+        ("weibull_scale_hours", -2.0),
+        ("node_failure_prob", 1.5),
+        ("node_failure_rate_per_node_hour", math.inf),
+        ("burst_prob", -0.1),
+        ("burst_window_s", -1.0),
+        ("repair_hours", 0.0),
+        ("burst_size", -1),
     ],
 )
-def test_bad_trace_spec_names_the_option(changes: dict[str, float], field: str) -> None:
+def test_bad_trace_spec_names_its_field(field: str, value: float) -> None:
+    """The spec's errors speak its own words; only the command line maps them to flags."""
     with pytest.raises(InvalidScenario) as caught:
-        TraceSpec(**changes)  # type: ignore[arg-type]
+        TraceSpec(**{field: value})  # type: ignore[arg-type]
     assert caught.value.field == field
