@@ -57,7 +57,9 @@ for _name, _target in [
     ("varuna", _P + "varuna:VarunaPolicy"),
 ]:
     register(_name, _target)
-# Pitstop's own policy comes after the papers' (docs/reproduction/odyssey.md).
+# Pitstop's own policies come after the papers' (docs/reproduction/odyssey.md): Odyssey with its
+# re-plan allowed onto spares, the fair baseline on a cluster with spares, then pitstop.
+register("odyssey_spares", _P + "odyssey:odyssey_with_spares", options=_PLANNING)
 register("pitstop", _P + "pitstop:PitstopPolicy", options=_PLANNING)
 
 __all__ = ["Policy", "get", "names", "register"]

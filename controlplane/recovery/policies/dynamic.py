@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -20,12 +21,12 @@ from controlplane.recovery.planner import (
 from controlplane.recovery.policies.base import interrupted_work_s, score
 
 # Shapes scored with their weight transfer once the fastest is known. The window they come from
-# is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale.
-WINDOW_TOP_K = 256
+# is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale, and a
+# candidate they cut short says so (Caveat.SEARCH_INCOMPLETE).
 WINDOW_NODE_BUDGET = 50_000
 WINDOW_MIN_SCORED = 8
 # Device groups placed in all, over the shapes scored (each placement costs O(groups)).
-WINDOW_PLACED_GROUPS = 16_384
+WINDOW_PLACED_GROUPS = 8_192
 
 
 # Reason of a re-plan that was not placed because another option's objective beats its bound.
@@ -116,41 +117,37 @@ def plan_dynamic(
     if not best.feasible or best.objective <= 0:
         return with_caveat(best, complete)
     cut = state.training.global_batch / best.objective * ratio
+    # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
+    # window holds one more, to tell whether the cap left out a shape that could still win.
+    limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
     window = search(
         state.profile,
         state.cluster,
         state.training,
-        top_k=10**9 if exhaustive else WINDOW_TOP_K,
+        top_k=10**9 if limit is None else limit + 1,
         max_step_time_s=cut * (1 + 1e-9),
         node_budget=None if exhaustive else WINDOW_NODE_BUDGET,
         **kwargs,  # type: ignore[arg-type]
     )
     complete = complete and window.complete
-
-    def could_win(shape: PlanShape) -> bool:
-        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
-        return bound > best.objective * (1 + 1e-12)
-
-    # Placements cost O(groups) and more at scale; small clusters score the whole window.
-    limit = (
-        len(window.shapes)
-        if exhaustive
-        else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
-    )
     for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
-        if not could_win(shape):
+        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
+        if bound <= best.objective * (1 + 1e-12):
             break
         if index == limit:
-            complete = False  # an unscored shape could still win
+            complete = False  # a shape the cap leaves unscored could still win
             break
         candidate = evaluate(shape)
         if candidate.feasible and candidate.objective > best.objective * (1 + 1e-12):
             best = candidate
-    else:
-        # a full window left out shapes no faster than its last one
-        if len(window.shapes) == WINDOW_TOP_K and not exhaustive and could_win(window.shapes[-1]):
-            complete = False
     return with_caveat(best, complete)
+
+
+def chosen_among(best: Candidate, options: Iterable[Candidate], note: str) -> Candidate:
+    """The option an adaptive policy chose, with its note and every option's caveats: a choice
+    is only as proven as the searches behind the options it weighed."""
+    caveats = tuple(dict.fromkeys(c for option in options for c in option.caveats))
+    return replace(best, reason=note, caveats=caveats)
 
 
 def with_caveat(candidate: Candidate, complete: bool) -> Candidate:

@@ -95,6 +95,7 @@ def test_registry_names_match_the_cli_contract() -> None:
         "checkpoint",
         "bamboo",
         "varuna",
+        "odyssey_spares",
         "pitstop",
     ]
 

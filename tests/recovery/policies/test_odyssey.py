@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.recovery import policies
 from controlplane.recovery.model import (
     Assumptions,
     Candidate,
@@ -172,6 +174,25 @@ def test_odyssey_reroutes_when_faults_come_fast() -> None:
     )
     assert _family(choose_family("odyssey", frequent)) is Family.REROUTING
     assert _family(choose_family("odyssey", rare)) is Family.DYNAMIC
+
+
+def test_odyssey_with_spares_replans_onto_them_where_odyssey_leaves_them_idle() -> None:
+    # two copies of an 8-layer model (1 s forward, 2 s backward a layer, 4 micro-batches each),
+    # device 1 lost, device 2 a spare, free links, no step running
+    state = grid_state(
+        layers=8, pp=1, dp=2, micro_batches=4, failed=[1], spares=1, failure_rate=0.1
+    )
+    state = replace(state, interrupted_step_s=0.0)
+    failure = Failure(kind=FailureKind.CRASH, devices=frozenset({1}))
+    backup_free = policies.get("odyssey").propose(state, failure)[0]
+    with_spares = policies.get("odyssey_spares").propose(state, failure)[0]
+    # eq. 12: the survivor takes the lost copy's 4 micro-batches, (1 + 4 - 1 + 4) x 24 s
+    assert backup_free.objective == pytest.approx(8 / 192)
+    assert backup_free.plan is not None and backup_free.plan.family is Family.REROUTING
+    # eq. 9 on devices 0 and 2, (1 + 4 - 1) x 24 s, after a 2 s restart; t_state = 18,000 s
+    assert with_spares.policy == "odyssey_spares"
+    assert with_spares.objective == pytest.approx(8 / 96 * 18_000 / 18_002)
+    assert with_spares.plan is not None and with_spares.plan.devices() == {0, 2}
 
 
 def _family(candidate: Candidate) -> Family:
