@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import write_results
+from controlplane.recovery.causes import Cause
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
 from controlplane.recovery.policies.bamboo import BambooPolicy, redundancy_step_factor
 from controlplane.recovery.scenario import load_scenario
 from controlplane.recovery.simulator.engine import simulate
 from controlplane.recovery.simulator.experiment import Experiment, planning_rate
-from controlplane.recovery.simulator.timeline import Cause, Run
+from controlplane.recovery.simulator.timeline import Run
 from controlplane.recovery.simulator.traces import SECONDS_PER_HOUR, Trace, TraceSpec, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,11 +198,16 @@ def main() -> None:
     parser.add_argument("--scenario", default=str(SCENARIO))
     parser.add_argument("--out", default=str(RESULTS / "reproduce_checkfree.json"))
     args = parser.parse_args()
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        parser.error(f"--rates takes comma-separated failure rates, not {args.rates!r}")
+    if not rates or any(r <= 0 for r in rates) or args.seeds < 1 or args.hours <= 0:
+        parser.error("give at least one positive rate, at least one seed and positive hours")
 
     started = time.perf_counter()
     base = load_scenario(args.scenario)
     step_s = estimate_step_time(base.profile, base.cluster, base.plan)
-    rates = [float(r) for r in args.rates.split(",")]
     results = {
         f"{rate:g}": run_rate(
             base,

@@ -5,7 +5,11 @@ trace when the cluster is the same). Ratios are Odyssey's mean samples over the 
 with a 95 % Student-t interval of the per-seed ratio. Assumptions: docs/reproduction/odyssey.md.
 
     python -m benchmarks.reproduce_odyssey [--seeds 20] [--out benchmarks/results/odyssey.json]
-        [--only paper,sensitivity,beyond] [--rows 2,4,6]
+        [--only paper,sensitivity,beyond] [--rows 2,4,6] [--hours 9]
+
+``--rows`` picks rows by number whatever their group; ``--only`` picks whole groups (``paper``
+when neither is given); both together run the rows of those groups. A selection that names an
+unknown group or row, or matches no row, is an error.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from typing import Any
 from benchmarks.results import write_results
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.scenario import load_scenario
-from controlplane.recovery.simulator.experiment import Experiment, run_experiment
-from controlplane.recovery.simulator.metrics import mean_ci95
+from controlplane.recovery.simulator.experiment import Experiment, run_experiment, run_ideal
+from controlplane.recovery.simulator.metrics import mean_ci95, share_of_ideal
 from controlplane.recovery.simulator.traces import Distribution, TraceSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +49,7 @@ class Setting:
     oobleck_regroup_s: float | None = None
     spares: int = 0
     repair_hours: float | None = None
+    restart_s: float | None = None
     rate: float = RATE
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -63,13 +68,47 @@ SETTINGS = [
     Setting("sensitivity", "node = NPU, λ = 0.105/h (P(1 h) = 0.1)", devices_per_node=1,
             rate=-math.log(0.9)),
     Setting("beyond", "paper setting", ("odyssey", "pitstop"), devices_per_node=1),
-    Setting("beyond", "8 spares, repair 2 h", ("odyssey", "pitstop", "flashrecovery"),
+    # With spares, Odyssey's re-plan may use them too (odyssey_spares): the same devices for all.
+    Setting("beyond", "8 spares, repair 2 h", ("odyssey_spares", "pitstop", "flashrecovery"),
             devices_per_node=1, spares=8, repair_hours=2.0),
     Setting("beyond", "no spares, repair 2 h", ("odyssey", "pitstop"), devices_per_node=1,
             repair_hours=2.0),
-    Setting("beyond", "8 spares, no repair", ("odyssey", "pitstop", "flashrecovery"),
+    Setting("beyond", "8 spares, no repair", ("odyssey_spares", "pitstop", "flashrecovery"),
             devices_per_node=1, spares=8),
+    # A re-plan restarting the whole job as at ~2,000 devices (FlashRecovery Table II fit)
+    Setting("beyond", "8 spares, repair 2 h, restart 300 s",
+            ("odyssey_spares", "pitstop", "flashrecovery"), devices_per_node=1, spares=8,
+            repair_hours=2.0, restart_s=300.0),
 ]  # fmt: skip
+
+
+def select(parser: argparse.ArgumentParser, only: str | None, rows: str | None) -> list[int]:
+    """The indices of SETTINGS chosen by ``--only`` and ``--rows``; errors out on no match.
+
+    Rows named explicitly are run whatever their group (the default group would otherwise hide
+    them); ``--only`` alone runs whole groups, and the two together run their intersection.
+    """
+    known_groups = list(dict.fromkeys(s.group for s in SETTINGS))
+    known = f"known groups: {', '.join(known_groups)}; rows 0-{len(SETTINGS) - 1}"
+    groups = set(known_groups)
+    if only is not None or rows is None:
+        groups = {g.strip() for g in (only or "paper").split(",") if g.strip()}
+        unknown = sorted(groups - set(known_groups))
+        if unknown:
+            parser.error(f"unknown group(s) {', '.join(unknown)}; {known}")
+    indices = list(range(len(SETTINGS)))
+    if rows is not None:
+        try:
+            indices = sorted({int(r) for r in rows.split(",") if r.strip()})
+        except ValueError:
+            parser.error(f"--rows takes comma-separated row numbers, not {rows!r}; {known}")
+        outside = [r for r in indices if not 0 <= r < len(SETTINGS)]
+        if outside:
+            parser.error(f"unknown row(s) {', '.join(map(str, outside))}; {known}")
+    chosen = [i for i in indices if SETTINGS[i].group in groups]
+    if not chosen:
+        parser.error(f"the selection matches no row; {known}")
+    return chosen
 
 
 def state_for(base: ClusterState, setting: Setting) -> ClusterState:
@@ -84,6 +123,8 @@ def state_for(base: ClusterState, setting: Setting) -> ClusterState:
         state = with_batch(state, setting.global_batch)
     if setting.oobleck_f is not None:
         state = replace(state, assumptions=replace(state.assumptions, oobleck_f=setting.oobleck_f))
+    if setting.restart_s is not None:
+        state = replace(state, assumptions=replace(state.assumptions, restart_s=setting.restart_s))
     if setting.oobleck_regroup_s is not None:
         assumptions = replace(state.assumptions, oobleck_regroup_s=setting.oobleck_regroup_s)
         state = replace(state, assumptions=assumptions)
@@ -107,14 +148,16 @@ def ci95(values: list[float]) -> tuple[float, float, float]:
     return mean_ci95(values)
 
 
-def run_setting(base: ClusterState, setting: Setting, seeds: int) -> dict[str, Any]:
+def run_setting(
+    base: ClusterState, setting: Setting, seeds: int, hours: float = HOURS
+) -> dict[str, Any]:
     state = state_for(base, setting)
     trace = TraceSpec(
         distribution=Distribution.POISSON,
         failure_rate_per_device_hour=setting.rate,
         repair_hours=setting.repair_hours,
     )
-    experiment = Experiment(hours=HOURS, policies=setting.policies, trace=trace, seeds=seeds)
+    experiment = Experiment(hours=hours, policies=setting.policies, trace=trace, seeds=seeds)
     started = time.perf_counter()
     runs, traces = run_experiment(state, experiment)
     ref = setting.policies[0]
@@ -146,6 +189,11 @@ def run_setting(base: ClusterState, setting: Setting, seeds: int) -> dict[str, A
             "recoveries_mean": sum(r.recovery_count for r in policy_runs) / len(policy_runs),
             "infeasible_mean": sum(r.infeasible_count for r in policy_runs) / len(policy_runs),
         }
+    # the bound: every recovery free and instant, the fastest plan on the healthy devices
+    ideal = run_ideal(state, experiment, traces)
+    result["ideal_throughput_mean"] = ci95([r.throughput for r in ideal])[0]
+    for name, policy_runs in runs.items():
+        result["policies"][name]["share_of_ideal"] = share_of_ideal(policy_runs, ideal)
     return result
 
 
@@ -161,40 +209,43 @@ def print_row(result: dict[str, Any]) -> None:
         elif name != ref and p["ratio_of_means"] is not None:
             _, r_low, r_high = p["ratio_per_seed_ci95"]
             text += f" (x{p['ratio_of_means']:.3f}, per-seed CI [{r_low:.3f}, {r_high:.3f}])"
+        if p["share_of_ideal"] is not None:
+            share, (s_low, s_high) = p["share_of_ideal"]["mean"], p["share_of_ideal"]["ci95"]
+            text += f" {share:.3f} [{s_low:.3f}, {s_high:.3f}] of ideal"
         cells.append(text)
-    print(f"{result['group']:<11} {result['name']:<40} " + "; ".join(cells), flush=True)
+    ideal = f"; ideal {result['ideal_throughput_mean']:.2f} sps"
+    print(f"{result['group']:<11} {result['name']:<40} " + "; ".join(cells) + ideal, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "odyssey.json"))
-    parser.add_argument(
-        "--only", default="paper", help="groups: paper (default, ~2 min), sensitivity, beyond"
-    )
-    parser.add_argument("--rows", default="", help="comma-separated row numbers (all by default)")
+    parser.add_argument("--only", help="groups: paper (the default, ~2 min), sensitivity, beyond")
+    parser.add_argument("--rows", help="comma-separated row numbers, whatever their group")
+    parser.add_argument("--hours", type=float, default=HOURS, help="simulated hours per trace")
     parser.add_argument("--scenario", default=str(SCENARIO))
     args = parser.parse_args(argv)
-    groups = {g.strip() for g in args.only.split(",")}
+    if args.seeds < 1 or args.hours <= 0:
+        parser.error("--seeds must be at least 1 and --hours positive")
+    chosen = select(parser, args.only, args.rows)
     base = load_scenario(args.scenario)
     print(
-        f"Odyssey 000 §V-B: 32 NPUs, {HOURS:g} h, Poisson failures; paper: Odyssey "
+        f"Odyssey 000 §V-B: 32 NPUs, {args.hours:g} h, Poisson failures; paper: Odyssey "
         f"x{PAPER['oobleck']} Oobleck, x{PAPER['rerouting']} ReCycle; {args.seeds} seeds"
     )
     print("throughput = samples/s over the horizon (mean [CI95]); xR = Odyssey's (or the first's)")
     results = []
-    rows = {int(r) for r in args.rows.split(",") if r.strip()}
-    for index, setting in enumerate(SETTINGS):
-        if setting.group in groups and (not rows or index in rows):
-            result = run_setting(base, setting, args.seeds)
-            print_row(result)
-            results.append(result)
+    for index in chosen:
+        result = run_setting(base, SETTINGS[index], args.seeds, args.hours)
+        print_row(result)
+        results.append(result)
     payload = {
         "paper": PAPER,
         "scenario": str(Path(args.scenario).relative_to(ROOT))
         if Path(args.scenario).is_relative_to(ROOT)
         else args.scenario,
-        "hours": HOURS,
+        "hours": args.hours,
         "seeds": args.seeds,
         "results": results,
     }

@@ -12,7 +12,10 @@ factor per profile is exact. Policy constants come from the artifact simulator t
 scenario's ``assumptions``. ``--regenerate`` rebuilds the scenarios and the CSV traces; the
 default run replays the files on disk.
 
-    python -m benchmarks.reproduce_oobleck [--models M,...] [--regenerate] [--seed N] [--out F]
+    python -m benchmarks.reproduce_oobleck [--models M,...] [--intervals 6h,1h,10min]
+        [--systems oobleck,bamboo,varuna] [--regenerate] [--seed N] [--out F]
+
+A system left out of ``--systems`` shows as "—" (OOM means it ran and did not fit).
 """
 
 from __future__ import annotations
@@ -368,19 +371,41 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "OOM" if x is None else f"{x:.{digits}f}"
 
 
+def _show(row: dict[str, Any], key: str, digits: int = 2) -> str:
+    """A result cell: "—" for a system not run (or a ratio with one), else as ``_fmt``."""
+    return _fmt(row[key], digits) if key in row else "—"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--models", default="gpt3-6.7b,gpt2,bert-large", help=f"of {','.join(PAPERS)}"
     )
+    parser.add_argument(
+        "--intervals", default=",".join(INTERVALS_S), help=f"of {','.join(INTERVALS_S)}"
+    )
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {','.join(SYSTEMS)}")
     parser.add_argument("--regenerate", action="store_true", help="rewrite scenarios and traces")
     parser.add_argument("--seed", type=int, default=0, help="removal order (with --regenerate)")
     parser.add_argument("--out", type=Path, default=RESULTS / "reproduce_oobleck.json")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    intervals = [i.strip() for i in args.intervals.split(",") if i.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for m in models:
         if m not in PAPERS:
             parser.error(f"unknown model {m!r}; known: {', '.join(PAPERS)}")
+    for i in intervals:
+        if i not in INTERVALS_S:
+            parser.error(f"unknown interval {i!r}; known: {', '.join(INTERVALS_S)}")
+    for system in systems:
+        if system not in SYSTEMS:
+            parser.error(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    if not models or not intervals or not systems:
+        parser.error(
+            f"the selection matches no cell; models: {', '.join(PAPERS)}; "
+            f"intervals: {', '.join(INTERVALS_S)}; systems: {', '.join(SYSTEMS)}"
+        )
 
     started = time.perf_counter()
     calibration: dict[str, Any] = {}
@@ -394,10 +419,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for m in models:
         paper = PAPERS[m]
         for i, label in enumerate(INTERVALS_S):
+            if label not in intervals:
+                continue
             row: dict[str, Any] = {"model": m, "interval": label}
             for system in SYSTEMS:
                 published = paper.table2[system]
                 row[f"paper_{system}"] = None if published is None else published[i]
+                if system not in systems:
+                    continue
                 if published is None:
                     row[system] = None
                     continue
@@ -406,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row[f"{system}_detail"] = cell
             for base in ("varuna", "bamboo"):
                 row[f"paper_x_{base}"] = _ratio(row["paper_oobleck"], row[f"paper_{base}"])
-                row[f"x_{base}"] = _ratio(row["oobleck"], row[base])
+                if base in row and "oobleck" in row:
+                    row[f"x_{base}"] = _ratio(row["oobleck"], row[base])
             rows.append(row)
 
     header = (
@@ -419,11 +449,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         print(
             f"{r['model']:<11}{r['interval']:>6} | "
-            f"{_fmt(r['paper_oobleck']):>6} → {_fmt(r['oobleck']):>6} | "
-            f"{_fmt(r['paper_bamboo']):>5} → {_fmt(r['bamboo']):>5} | "
-            f"{_fmt(r['paper_varuna']):>5} → {_fmt(r['varuna']):>5} | "
-            f"{_fmt(r['paper_x_varuna'], 1):>5} → {_fmt(r['x_varuna'], 1):>5} | "
-            f"{_fmt(r['paper_x_bamboo'], 1):>4} → {_fmt(r['x_bamboo'], 1):>4}"
+            f"{_fmt(r['paper_oobleck']):>6} → {_show(r, 'oobleck'):>6} | "
+            f"{_fmt(r['paper_bamboo']):>5} → {_show(r, 'bamboo'):>5} | "
+            f"{_fmt(r['paper_varuna']):>5} → {_show(r, 'varuna'):>5} | "
+            f"{_fmt(r['paper_x_varuna'], 1):>5} → {_show(r, 'x_varuna', 1):>5} | "
+            f"{_fmt(r['paper_x_bamboo'], 1):>4} → {_show(r, 'x_bamboo', 1):>4}"
         )
     result = {
         "benchmark": "reproduce_oobleck",

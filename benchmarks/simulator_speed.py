@@ -99,8 +99,14 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without the cut")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR")
     args = parser.parse_args()
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--sizes takes comma-separated device counts, not {args.sizes!r}")
+    if not sizes or args.days <= 0:
+        parser.error("give at least one size and positive days")
     rows = []
-    for devices in (int(s) for s in args.sizes.split(",")):
+    for devices in sizes:
         rows.append(measure(devices, args.days, args.seed, not args.no_baseline))
         print(table(rows).splitlines()[-1], flush=True)
     print()

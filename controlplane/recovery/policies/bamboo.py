@@ -1,4 +1,12 @@
-"""Bamboo (NSDI '23) as Oobleck compares it: redundant computation, the predecessor takes over."""
+"""Bamboo (NSDI '23) as Oobleck compares it: redundant computation, the predecessor takes over.
+
+After a loss the predecessor runs the lost stage at once (backward RC), then Bamboo pauses to
+reconfigure: the artifact simulator charges a rebalance pause right after the takeover, and
+after it the pipeline runs rebalanced. The candidate's plan is that rebalanced pipeline (the
+surviving stages of each hit pipeline with an even split of its layers, the fastest by the
+estimator that fits memory) and its transition charges the pause; the unbalanced takeover only
+lasts through the pause, so it never sets the step time.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from controlplane.recovery.model import (
     Stage,
     TransitionCost,
 )
+from controlplane.recovery.planner import even_splits
 from controlplane.recovery.policies.base import score
 from controlplane.recovery.policies.replacement import group_size
 
@@ -115,6 +124,43 @@ def take_over(plan: ExecutionPlan, lost: set[tuple[int, int]]) -> tuple[Executio
     return ExecutionPlan(pipelines=tuple(pipelines), family=plan.family), copies
 
 
+def rebalance(state: ClusterState, plan: ExecutionPlan, pipelines: set[int]) -> ExecutionPlan:
+    """``plan`` with each of ``pipelines`` re-split over the stages it kept, after a takeover.
+
+    The options are the pipeline's takeover layout and every even split of the model's layers
+    over its stages (the planner's ``even_splits``: base layers each, the remainder on any
+    stages); the one kept is the fastest as Bamboo runs it (the estimator's step times the
+    redundancy factor) with its shadow state within device memory, the takeover layout on ties.
+    A pipeline that lost no stage is left alone.
+    """
+    capacity = state.cluster.device_memory_bytes
+    rebuilt = list(plan.pipelines)
+    for p in sorted(pipelines):
+        pipeline = plan.pipelines[p]
+        options = [pipeline] + [
+            replace(
+                pipeline,
+                stages=tuple(
+                    Stage(devices=stage.devices, layers=layers)
+                    for stage, layers in zip(pipeline.stages, split, strict=True)
+                ),
+            )
+            for split in even_splits(state.profile.layers, pipeline.depth)
+        ]
+        best: tuple[float, Pipeline] | None = None
+        for option in options:
+            alone = ExecutionPlan(pipelines=(option,), family=plan.family)
+            if max(shadow_memory(state.profile, alone).values()) > capacity:
+                continue
+            step = estimate_step_time(state.profile, state.cluster, alone)
+            step *= redundancy_step_factor(state.profile, alone)
+            if best is None or step < best[0]:
+                best = (step, option)
+        if best is not None:
+            rebuilt[p] = best[1]
+    return replace(plan, pipelines=tuple(rebuilt))
+
+
 def _shadow_copy_s(state: ClusterState, copies: list[int]) -> float:
     """Seconds to move stage 0's state from its shadow (the last stage) to stage 1's group."""
     slowest = 0.0
@@ -159,12 +205,14 @@ class BambooPolicy:
                         "checkpoint",
                     )
         if lost:
-            new_plan, copies = take_over(plan, lost)
+            taken_over, copies = take_over(plan, lost)
+            new_plan = rebalance(state, taken_over, {p for p, _ in lost})
             assumptions = state.assumptions
             old_step = estimate_step_time(state.profile, state.cluster, plan)
             transition = TransitionCost(
                 weight_transfer_s=_shadow_copy_s(state, copies),
-                # artifact simulator: a rebalance pause follows the takeover at once
+                # artifact simulator: a rebalance pause follows the takeover at once; it also
+                # covers moving the layers whose stage changed in the rebalanced split
                 restart_s=assumptions.bamboo_rebalance_s,
                 # the step hit by the failure runs 1.5x slower instead of being lost
                 lost_work_s=assumptions.detection_s
@@ -191,6 +239,7 @@ class BambooPolicy:
 
 __all__ = [
     "BambooPolicy",
+    "rebalance",
     "redundancy_step_factor",
     "shadow_memory",
     "successor",

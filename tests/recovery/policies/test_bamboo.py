@@ -1,4 +1,4 @@
-"""Bamboo: redundant computation's overheads, takeover by the predecessor, adjacent failures."""
+"""Bamboo: redundant computation's overheads, takeover, rebalance, adjacent failures."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from controlplane.recovery.policies.bamboo import (
     BambooPolicy,
     redundancy_step_factor,
     shadow_memory,
+    take_over,
 )
 
 
@@ -160,32 +161,64 @@ def test_a_one_stage_pipeline_has_no_shadow() -> None:
 
 def test_predecessor_runs_the_lost_stage_without_a_copy() -> None:
     state = grid_state([2, 2, 2, 2], dp=2, bandwidth_gbps=100.0)
-    candidate = propose(state, [6])
-    assert candidate.feasible, candidate.reason
-    assert candidate.plan is not None
-    second = candidate.plan.pipelines[1]
-    assert [(s.devices, s.layers) for s in second.stages] == [
+    plan, copies = take_over(state.plan, {(1, 2)})
+    assert [(s.devices, s.layers) for s in plan.pipelines[1].stages] == [
         ((4,), (0, 2)),
         ((5,), (2, 6)),
         ((7,), (6, 8)),
     ]
-    assert candidate.plan.pipelines[0] == state.plan.pipelines[0]
-    assert candidate.plan.micro_batches == state.training.micro_batches
+    assert plan.pipelines[0] == state.plan.pipelines[0]
+    assert copies == []
+    candidate = propose(state, [6])
+    assert candidate.feasible, candidate.reason
     assert candidate.transition.weight_transfer_s == 0.0
 
 
 def test_first_stage_moves_to_stage_one_after_a_copy_from_the_last() -> None:
     state = grid_state([2, 2, 2, 2], dp=1, static=1e9, bandwidth_gbps=8.0)
-    candidate = propose(state, [0])
-    assert candidate.feasible, candidate.reason
-    assert candidate.plan is not None
-    assert [(s.devices, s.layers) for s in candidate.plan.pipelines[0].stages] == [
+    plan, copies = take_over(state.plan, {(0, 0)})
+    assert [(s.devices, s.layers) for s in plan.pipelines[0].stages] == [
         ((1,), (0, 4)),
         ((2,), (4, 6)),
         ((3,), (6, 8)),
     ]
+    assert copies == [0]
+    candidate = propose(state, [0])
+    assert candidate.feasible, candidate.reason
     # stage 0's 2 GB of state over 1 GB/s, from its shadow on the last stage
     assert candidate.transition.weight_transfer_s == pytest.approx(2.0)
+
+
+def test_after_the_pause_the_pipeline_runs_rebalanced() -> None:
+    # 12 layers of F = 1, B = 2 on 4 stages, 4 micro-batches; stage 2 is lost.
+    state = grid_state([3, 3, 3, 3], dp=1)
+    candidate = propose(state, [2])
+    assert candidate.feasible, candidate.reason
+    assert candidate.plan is not None
+    # the 12 layers spread again over the 3 surviving stages, on the same devices
+    assert [(s.devices, s.layers) for s in candidate.plan.pipelines[0].stages] == [
+        ((0,), (0, 4)),
+        ((1,), (4, 8)),
+        ((3,), (8, 12)),
+    ]
+    # three equal stages of F + B = 12: 1F1B takes (m + S - 1)(F + B) = 6 * 12 = 72 s, and the
+    # redundant forward of the next stage adds 4/12: 96 s. The takeover layout 3, 6, 3 would
+    # run 3 (first forward) + 4 * 18 (the middle stage's work) + 3 (it waits for the last
+    # stage's F + B of the first micro-batch) + 6 (last backward) = 84 s, times (18 + 3) / 18.
+    assert candidate.est_step_time_s == pytest.approx(96.0)
+    takeover, _ = take_over(state.plan, {(0, 2)})
+    assert estimate_step_time(state.profile, state.cluster, takeover) == pytest.approx(84.0)
+
+
+def test_rebalance_keeps_the_takeover_when_no_even_split_fits_memory() -> None:
+    # stages of 1, 2, 3 layers of 10 bytes of state (activations free), 60 bytes per device:
+    # after stage 1 is lost, stage 0 holds 3 layers and shadows stage 2's 3: 60 bytes, fits;
+    # the even split 3, 3 is the same layout, so it is kept as the takeover's.
+    state = grid_state([1, 2, 3], dp=1, static=10.0, memory=60.0, spares=1)
+    candidate = propose(state, [1])
+    assert candidate.feasible, candidate.reason
+    assert candidate.plan is not None
+    assert [s.layers for s in candidate.plan.pipelines[0].stages] == [(0, 3), (3, 6)]
 
 
 def test_takeover_pauses_to_rebalance_and_slows_the_failed_step() -> None:
@@ -225,3 +258,20 @@ def test_feasible_unless_adjacent_stages_of_one_pipeline_are_lost(
         assert pipeline.stages[0].layers[0] == 0
         assert pipeline.stages[-1].layers[1] == state.profile.layers
         assert all(a.layers[1] == b.layers[0] for a, b in itertools.pairwise(pipeline.stages))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 6), st.integers(1, 3), st.integers(0, 35))
+def test_rebalanced_pipeline_is_never_slower_than_the_takeover(
+    pp: int, layers_extra: int, device: int
+) -> None:
+    # the takeover layout is always an option, so the rebalance can only gain
+    state = grid_state([1 + layers_extra] * pp, dp=1)
+    failed = device % pp
+    candidate = propose(state, [failed])
+    assert candidate.feasible, candidate.reason
+    takeover, _ = take_over(state.plan, {(0, failed)})
+    slowest = estimate_step_time(state.profile, state.cluster, takeover)
+    assert candidate.est_step_time_s <= slowest * redundancy_step_factor(
+        state.profile, takeover
+    ) * (1 + 1e-12)
