@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from hypothesis import strategies as st
+
 from controlplane.recovery.model import (
     Assumptions,
     Cluster,
@@ -86,4 +88,20 @@ def grid_state(
         plan=grid_plan(layers, pp, dp, micro_batches, tp),
         failed=frozenset(failed),
         assumptions=assumptions or Assumptions(),
+    )
+
+
+@st.composite
+def small_profiles(draw: st.DrawFn, max_layers: int = 8) -> ModelProfile:
+    """Random small integer costs per layer (zeros included), for exhaustive comparisons."""
+    layers = draw(st.integers(1, max_layers))
+    ints = st.lists(st.integers(0, 5), min_size=layers, max_size=layers)
+    return ModelProfile(
+        name="random",
+        fwd_s=tuple(float(x) for x in draw(ints)),
+        bwd_s=tuple(float(x) for x in draw(ints)),
+        m_p=tuple(float(x) for x in draw(ints)),
+        m_o=(0.0,) * layers,
+        m_g=(0.0,) * layers,
+        m_a=tuple(float(x) for x in draw(ints)),
     )

@@ -16,6 +16,7 @@ from controlplane.recovery.estimator.time import estimate_step_time
 from controlplane.recovery.model import Cluster, ModelProfile, Training
 from controlplane.recovery.policies.oobleck import instantiate
 from controlplane.recovery.templates import Layers, best_split, split_at, step_time
+from tests.recovery.builders import small_profiles
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -68,21 +69,6 @@ def compositions(layers: int, stages: int) -> Iterable[Layers]:
 
 def uniform(layers: int, static: float = 0.0) -> ModelProfile:
     return ModelProfile.uniform(name="uniform", layers=layers, fwd_s=1.0, bwd_s=2.0, m_p=static)
-
-
-@st.composite
-def small_profiles(draw: st.DrawFn) -> ModelProfile:
-    layers = draw(st.integers(1, 8))
-    ints = st.lists(st.integers(0, 5), min_size=layers, max_size=layers)
-    return ModelProfile(
-        name="random",
-        fwd_s=tuple(float(x) for x in draw(ints)),
-        bwd_s=tuple(float(x) for x in draw(ints)),
-        m_p=tuple(float(x) for x in draw(ints)),
-        m_o=(0.0,) * layers,
-        m_g=(0.0,) * layers,
-        m_a=tuple(float(x) for x in draw(ints)),
-    )
 
 
 def test_the_1f1b_transcription_gives_eq_9_on_equal_stages() -> None:

@@ -40,6 +40,7 @@ from controlplane.recovery.templates import (
     template_time,
     water_fill,
 )
+from tests.recovery.builders import small_profiles
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -157,21 +158,6 @@ def test_split_follows_the_papers_t2_not_the_codes() -> None:
     assert best_split(profile, 4, 1, math.inf) == (((0, 1), (1, 2), (2, 3), (3, 5)), 426.0)
 
 
-@st.composite
-def small_profiles(draw: st.DrawFn) -> ModelProfile:
-    layers = draw(st.integers(1, 7))
-    ints = st.lists(st.integers(0, 5), min_size=layers, max_size=layers)
-    return ModelProfile(
-        name="random",
-        fwd_s=tuple(float(x) for x in draw(ints)),
-        bwd_s=tuple(float(x) for x in draw(ints)),
-        m_p=tuple(float(x) for x in draw(ints)),
-        m_o=(0.0,) * layers,
-        m_g=(0.0,) * layers,
-        m_a=tuple(float(x) for x in draw(ints)),
-    )
-
-
 def compositions(layers: int, stages: int) -> Iterable[tuple[tuple[int, int], ...]]:
     for cuts in itertools.combinations(range(1, layers), stages - 1):
         bounds = (0, *cuts, layers)
@@ -179,7 +165,9 @@ def compositions(layers: int, stages: int) -> Iterable[tuple[tuple[int, int], ..
 
 
 @SETTINGS
-@given(small_profiles(), st.integers(1, 4), st.sampled_from([math.inf, 6.0, 10.0, 20.0]))
+@given(
+    small_profiles(max_layers=7), st.integers(1, 4), st.sampled_from([math.inf, 6.0, 10.0, 20.0])
+)
 def test_stage_mapping_dp_matches_brute_force(
     profile: ModelProfile, stages: int, capacity: float
 ) -> None:
