@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from controlplane.recovery import policies
+from controlplane.recovery.codec import candidate_to_dict
 from controlplane.recovery.codes import Caveat
 from controlplane.recovery.errors import InvalidScenario, RecoveryError
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
@@ -49,7 +50,7 @@ def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False)
     return {
         "search_time_s": time.perf_counter() - started,
         "chosen": best_index(candidates),
-        "candidates": [c.to_dict() for c in candidates],
+        "candidates": [candidate_to_dict(c) for c in candidates],
     }
 
 

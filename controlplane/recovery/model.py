@@ -7,7 +7,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import accumulate
-from typing import Any
 
 from controlplane.recovery.codes import Caveat
 from controlplane.recovery.errors import InvalidScenario, UnknownDevice
@@ -319,29 +318,6 @@ class ExecutionPlan:
     def devices(self) -> frozenset[int]:
         return frozenset(d for group in self.own_groups() for d in group)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The scenario format's ``plan`` object (plus ``family`` and ``rerouted`` flags)."""
-
-        def stage_dict(stage: Stage) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "devices": list(stage.devices),
-                "layers": list(stage.layers),
-            }
-            if stage.rerouted:
-                out["rerouted"] = True
-            return out
-
-        return {
-            "family": self.family.value,
-            "pipelines": [
-                {
-                    "stages": [stage_dict(s) for s in p.stages],
-                    "micro_batches": p.micro_batches,
-                }
-                for p in self.pipelines
-            ],
-        }
-
 
 class FailureKind(StrEnum):
     CRASH = "crash"
@@ -413,15 +389,6 @@ class TransitionCost:
     def total_s(self) -> float:
         return self.search_s + self.weight_transfer_s + self.restart_s + self.lost_work_s
 
-    def to_dict(self) -> dict[str, float]:
-        return {
-            "search_s": self.search_s,
-            "weight_transfer_s": self.weight_transfer_s,
-            "restart_s": self.restart_s,
-            "lost_work_s": self.lost_work_s,
-            "total_s": self.total_s,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
@@ -440,16 +407,3 @@ class Candidate:
     @classmethod
     def infeasible(cls, policy: str, reason: str) -> Candidate:
         return cls(policy=policy, feasible=False, reason=reason)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "feasible": self.feasible,
-            "reason": self.reason,
-            "plan": None if self.plan is None else self.plan.to_dict(),
-            "est_step_time_s": None if math.isinf(self.est_step_time_s) else self.est_step_time_s,
-            "transition": self.transition.to_dict(),
-            "peak_memory_bytes": {str(d): b for d, b in sorted(self.peak_memory_bytes.items())},
-            "objective": self.objective,
-            "caveats": [str(c) for c in self.caveats],
-        }

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.recovery import policies
+from controlplane.recovery.codec import candidate_to_dict
 from controlplane.recovery.errors import UnknownPolicy
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
 from tests.recovery.builders import grid_state, uniform_profile
@@ -61,7 +62,9 @@ def test_policy_contract(name: str, state: ClusterState) -> None:
     candidates = policy.propose(state, failure)
     assert candidates, "a policy always answers, if only to decline"
     again = policies.get(name).propose(state, failure)
-    assert [c.to_dict() for c in candidates] == [c.to_dict() for c in again], "deterministic"
+    assert [candidate_to_dict(c) for c in candidates] == [candidate_to_dict(c) for c in again], (
+        "deterministic"
+    )
     for candidate in candidates:
         assert candidate.policy == name
         if not candidate.feasible:
