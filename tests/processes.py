@@ -53,10 +53,10 @@ print(json.dumps({
 """
 
 
-def settings_in_subprocess(env: Mapping[str, str]) -> dict[str, Any]:
-    """Import controlplane.settings in a fresh interpreter with `env`; return chosen values."""
+def python_in_repo(*args: str, env: Mapping[str, str]) -> str:
+    """Run a fresh interpreter in the repository with ``env``; its output, once it succeeded."""
     completed = subprocess.run(
-        [sys.executable, "-c", _SETTINGS_PROBE],
+        [sys.executable, *args],
         env=dict(env),
         cwd=REPO_ROOT,
         capture_output=True,
@@ -65,7 +65,17 @@ def settings_in_subprocess(env: Mapping[str, str]) -> dict[str, Any]:
         check=False,
     )
     assert completed.returncode == 0, completed.stderr
-    values: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return completed.stdout
+
+
+def last_line(output: str) -> str:
+    """The last line a probe printed (structlog may log to stdout before it)."""
+    return output.strip().splitlines()[-1]
+
+
+def settings_in_subprocess(env: Mapping[str, str]) -> dict[str, Any]:
+    """Import controlplane.settings in a fresh interpreter with `env`; return chosen values."""
+    values: dict[str, Any] = json.loads(last_line(python_in_repo("-c", _SETTINGS_PROBE, env=env)))
     return values
 
 

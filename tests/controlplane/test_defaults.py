@@ -3,15 +3,13 @@
 import itertools
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
 
 from controlplane import defaults, redis_probe
-from tests.processes import REPO_ROOT, clean_environment
+from tests.processes import clean_environment, last_line, python_in_repo
 
 CONFIGURED = {
     "DATABASE_URL": "postgres://postgres@db.example:5432/pitstop",
@@ -79,17 +77,10 @@ print(os.environ["REDIS_URL"])
 
 
 def test_serving_process_gets_an_embedded_redis_that_stops_with_it(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-c", _SERVING_PROCESS],
-        env=clean_environment(PITSTOP_DATA_DIR=str(tmp_path)),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    output = python_in_repo(
+        "-c", _SERVING_PROCESS, env=clean_environment(PITSTOP_DATA_DIR=str(tmp_path))
     )
-    assert completed.returncode == 0, completed.stderr
-    url = completed.stdout.strip().splitlines()[-1]
+    url = last_line(output)
     assert url.startswith("redis://:") and "@127.0.0.1:" in url
     # It answered while the process ran (the ping above); the process owned it, so it is gone.
     assert not (tmp_path / "redis" / "server.json").exists()
@@ -98,14 +89,5 @@ def test_serving_process_gets_an_embedded_redis_that_stops_with_it(tmp_path: Pat
 
 
 def test_manage_py_keeps_a_key_and_starts_no_redis(tmp_path: Path) -> None:
-    completed = subprocess.run(
-        [sys.executable, "manage.py", "check"],
-        env=clean_environment(PITSTOP_DATA_DIR=str(tmp_path)),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
+    python_in_repo("manage.py", "check", env=clean_environment(PITSTOP_DATA_DIR=str(tmp_path)))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["secret_key"]

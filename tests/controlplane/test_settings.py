@@ -1,8 +1,6 @@
 """Settings come from the environment only: reading them writes no file and starts no process."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -12,7 +10,7 @@ from django.conf import settings
 from django.db import connection
 
 from controlplane import redis_probe
-from tests.processes import REPO_ROOT, clean_environment, settings_in_subprocess
+from tests.processes import clean_environment, last_line, python_in_repo, settings_in_subprocess
 
 UNUSED_REDIS = "redis://127.0.0.1:1/0"  # never contacted: settings only read the URL
 
@@ -107,17 +105,12 @@ def test_loading_the_settings_writes_nothing_and_starts_nothing(
 ) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    completed = subprocess.run(
-        [sys.executable, "-c", _SIDE_EFFECT_PROBE.format(statement=statement)],
+    output = python_in_repo(
+        "-c",
+        _SIDE_EFFECT_PROBE.format(statement=statement),
         env=clean_environment(PITSTOP_DATA_DIR=str(data_dir)),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
     )
-    assert completed.returncode == 0, completed.stderr
-    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    found = json.loads(last_line(output))
     assert found == {"children": [], "naming_data_dir": []}
     assert list(data_dir.iterdir()) == []
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
+
+from tests.processes import python_in_repo
 
 HEAVY = ("scipy", "networkx", "simpy", "plotly")
 
@@ -27,10 +28,7 @@ def test_importing_the_core_loads_no_heavy_library(module: str) -> None:
         f"import json, sys; import {module}; "
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True
-    ).stdout
-    assert json.loads(out) == []
+    assert json.loads(python_in_repo("-c", code, env=os.environ)) == []
 
 
 def test_placing_a_plan_still_finds_its_solvers() -> None:
@@ -42,7 +40,4 @@ def test_placing_a_plan_still_finds_its_solvers() -> None:
         "c = plan_dynamic('dynamic', grid_state(pp=2, dp=3, failed=[1]))\n"
         "print(c.feasible, 'scipy' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True
-    ).stdout
-    assert out.split() == ["True", "True"]
+    assert python_in_repo("-c", code, env=os.environ).split() == ["True", "True"]
