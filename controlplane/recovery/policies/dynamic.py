@@ -85,8 +85,14 @@ def plan_dynamic(
         )
         for dp in widths
     )
+
+    def objective_bound(shape: PlanShape) -> float:
+        """Eq. 8 at the least step the shape can have, with no weight transfer."""
+        floor_s = shape.compute_time_s + sync_floor_s
+        return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+
+    bound = objective_bound(first.shapes[0])
     floor_s = first.shapes[0].compute_time_s + sync_floor_s
-    bound = state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
     # an incomplete search has not proven its first shape the fastest, so it bounds nothing
     if complete and bound <= beat:
         return Candidate.infeasible(
@@ -131,8 +137,7 @@ def plan_dynamic(
     )
     complete = complete and window.complete
     for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
-        bound = state.training.global_batch / (shape.compute_time_s + sync_floor_s) * ratio
-        if bound <= best.objective * (1 + 1e-12):
+        if objective_bound(shape) <= best.objective * (1 + 1e-12):
             break
         if index == limit:
             complete = False  # a shape the cap leaves unscored could still win
