@@ -94,12 +94,8 @@ ROWS = [
 
 
 def picks(run: Run) -> Counter[str]:
-    """Pitstop's feasible recoveries by the option it chose (its reason names it first)."""
-    return Counter(
-        next(option for option in OPTIONS if r.reason.startswith(option))
-        for r in run.recoveries
-        if r.feasible
-    )
+    """Pitstop's feasible recoveries by the option it chose."""
+    return Counter(str(r.option) for r in run.recoveries if r.feasible and r.option is not None)
 
 
 def run_row(base: ClusterState, row: Row, seeds: int, hours: float) -> dict[str, Any]:
@@ -121,7 +117,7 @@ def run_row(base: ClusterState, row: Row, seeds: int, hours: float) -> dict[str,
         },
         "gain_per_seed_ci95": mean_ci95(gains),
         "gains": gains,
-        "pitstop_picks_per_run": {option: chosen[option] / seeds for option in OPTIONS},
+        "pitstop_picks_per_run": {str(o): chosen[str(o)] / seeds for o in OPTIONS},
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -152,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pitstop_gain.json"))
     args = parser.parse_args(argv)
     wanted = {int(r) for r in args.rows.split(",") if r.strip()}
-    base = load_scenario(args.scenario)
+    base = load_scenario(args.scenario).state
     print(
         f"pitstop vs odyssey_spares on the same cluster: {args.hours:g} h, {args.seeds} seeds, "
         f"λ = {RATE}/device-hour; samples/s (mean), gain = pitstop / odyssey_spares per seed "

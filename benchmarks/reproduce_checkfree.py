@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import write_results
+from controlplane.recovery import policies
 from controlplane.recovery.causes import Cause
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
@@ -73,8 +74,8 @@ FAILURE_FREE_ITERATIONS = 10004
 class Method:
     label: str
     policy: str
-    # assumption overrides on top of the scenario's
-    assumptions: tuple[tuple[str, float], ...] = ()
+    # the policy's options (policies.describe lists them)
+    options: tuple[tuple[str, float], ...] = ()
     edges_reliable: bool = False
 
 
@@ -84,10 +85,7 @@ METHODS = (
     Method(
         "checkfree",
         "checkfree_plus",
-        assumptions=(
-            ("checkfree_plus_penalty_steps", 25.0),
-            ("checkfree_plus_step_inflation", 0.0),
-        ),
+        options=(("penalty_steps", 25.0), ("step_inflation", 0.0)),
     ),
     Method("checkfree_edges_reliable", "checkfree", edges_reliable=True),
     Method("checkfree_plus", "checkfree_plus"),
@@ -155,15 +153,14 @@ def run_rate(
     edges = edge_devices(state)
     out: dict[str, Any] = {}
     for method in METHODS:
-        overrides: dict[str, Any] = dict(method.assumptions)
-        variant = replace(state, assumptions=replace(state.assumptions, **overrides))
+        policy = policies.get(method.policy, **dict(method.options))
         hours_to_converge: list[float | None] = []
         failures: list[int] = []
         for seed in range(seeds):
             trace = generate(spec, state.cluster, horizon_s, seed)
             if method.edges_reliable:
                 trace = without_devices(trace, edges)
-            run = simulate(variant, method.policy, trace, horizon_s, seed=seed)
+            run = simulate(state, policy, trace, horizon_s, seed=seed)
             at = converged_at_s(run, target)
             hours_to_converge.append(None if at is None else at / SECONDS_PER_HOUR)
             # failures that hit the plan before convergence (each asked the policy once)
@@ -206,7 +203,7 @@ def main() -> None:
         parser.error("give at least one positive rate, at least one seed and positive hours")
 
     started = time.perf_counter()
-    base = load_scenario(args.scenario)
+    base = load_scenario(args.scenario).state
     step_s = estimate_step_time(base.profile, base.cluster, base.plan)
     results = {
         f"{rate:g}": run_rate(

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import write_results
-from controlplane.recovery import policies
+from controlplane.recovery.codec import state_from_dict
+from controlplane.recovery.decision import decide
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
-from controlplane.recovery.objective import best_index
-from controlplane.recovery.scenario import build_state, load_scenario
+from controlplane.recovery.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "flashrecovery"
@@ -144,7 +144,7 @@ def calibrated(point: Point) -> dict[str, Any]:
     """The scenario whose estimated step time is the row's (the estimate is affine in fwd_s)."""
 
     def step(fwd_s: float) -> float:
-        state = build_state(scenario(point, fwd_s))
+        state = state_from_dict(scenario(point, fwd_s))
         return estimate_step_time(state.profile, state.cluster, state.plan)
 
     slope = step(2.0) - step(1.0)
@@ -167,19 +167,19 @@ def path_of(point: Point) -> Path:
 def transition(state: ClusterState, policy: str) -> dict[str, float]:
     """The chosen candidate's transition, split as the simulator's timeline shows it."""
     failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
-    candidates = policies.get(policy).propose(state, failure)
-    index = best_index(candidates)
-    if index is None:
-        raise SystemExit(f"{policy} found no feasible candidate: {candidates[0].reason}")
-    cost = candidates[index].transition
-    detect = state.assumptions.detection_s
+    decision = decide(state, failure, policies=[policy])
+    if decision.best is None:
+        first = decision.candidates[0]
+        raise SystemExit(f"{policy} found no feasible candidate: [{first.code}] {first.note}")
+    cost = decision.best.transition
+    detect = cost.detection_s
     step_s = estimate_step_time(state.profile, state.cluster, state.plan)
     return {
         "detect_s": detect,
         "restart_s": cost.restart_s,
         "transfer_s": cost.weight_transfer_s,
         "redo_step_s": step_s,
-        "rollback_s": cost.lost_work_s - detect - step_s,
+        "rollback_s": cost.lost_work_s - step_s,
         "total_s": cost.total_s,
     }
 
@@ -198,7 +198,7 @@ def main() -> None:
 
     rows = []
     for point in POINTS:
-        base = load_scenario(path_of(point))
+        base = load_scenario(path_of(point)).state
         row: dict[str, Any] = {
             "table": point.table,
             "model": MODELS[point.model].name,

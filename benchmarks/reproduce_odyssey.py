@@ -121,14 +121,19 @@ def state_for(base: ClusterState, setting: Setting) -> ClusterState:
     state = replace(base, cluster=cluster)
     if setting.global_batch is not None:
         state = with_batch(state, setting.global_batch)
-    if setting.oobleck_f is not None:
-        state = replace(state, assumptions=replace(state.assumptions, oobleck_f=setting.oobleck_f))
     if setting.restart_s is not None:
         state = replace(state, assumptions=replace(state.assumptions, restart_s=setting.restart_s))
-    if setting.oobleck_regroup_s is not None:
-        assumptions = replace(state.assumptions, oobleck_regroup_s=setting.oobleck_regroup_s)
-        state = replace(state, assumptions=assumptions)
     return state
+
+
+def options_for(setting: Setting) -> dict[str, dict[str, Any]]:
+    """The policies' options a setting changes (Oobleck's f and regroup time)."""
+    oobleck = {
+        key: value
+        for key, value in (("f", setting.oobleck_f), ("regroup_s", setting.oobleck_regroup_s))
+        if value is not None
+    }
+    return {"oobleck": oobleck} if oobleck and "oobleck" in setting.policies else {}
 
 
 def with_batch(state: ClusterState, global_batch: int) -> ClusterState:
@@ -157,7 +162,13 @@ def run_setting(
         failure_rate_per_device_hour=setting.rate,
         repair_hours=setting.repair_hours,
     )
-    experiment = Experiment(hours=hours, policies=setting.policies, trace=trace, seeds=seeds)
+    experiment = Experiment(
+        hours=hours,
+        policies=setting.policies,
+        trace=trace,
+        seeds=seeds,
+        options=options_for(setting),
+    )
     started = time.perf_counter()
     runs, traces = run_experiment(state, experiment)
     ref = setting.policies[0]
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.seeds < 1 or args.hours <= 0:
         parser.error("--seeds must be at least 1 and --hours positive")
     chosen = select(parser, args.only, args.rows)
-    base = load_scenario(args.scenario)
+    base = load_scenario(args.scenario).state
     print(
         f"Odyssey 000 §V-B: 32 NPUs, {args.hours:g} h, Poisson failures; paper: Odyssey "
         f"x{PAPER['oobleck']} Oobleck, x{PAPER['rerouting']} ReCycle; {args.seeds} seeds"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import write_results
+from controlplane.recovery import policies
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import (
     Cluster,
@@ -220,16 +221,20 @@ def _varuna_plan(profile: ModelProfile, cluster: Cluster, training: Training) ->
 
 
 def _assumptions(paper: Paper) -> dict[str, Any]:
+    # Varuna's restart = init_s + checkpoint_load_s = (r − c) + c: the artifact's pause r − c,
+    # then its one checkpoint (oobleck.md §5)
+    return {"checkpoint_load_s": paper.varuna_checkpoint_s}
+
+
+def _options(paper: Paper) -> dict[str, dict[str, Any]]:
     return {
-        "oobleck_f": F,
-        "oobleck_regroup_s": paper.regroup_s,
-        "bamboo_rebalance_s": paper.bamboo_rebalance_s,
-        "varuna_checkpoint_interval_steps": 10,
-        "varuna_checkpoint_s": paper.varuna_checkpoint_s,
-        # restart = varuna_init_s + checkpoint_load_s = (r − c) + c: the artifact's pause r − c,
-        # then its one checkpoint (oobleck.md §5)
-        "varuna_init_s": paper.varuna_restart_s - paper.varuna_checkpoint_s,
-        "checkpoint_load_s": paper.varuna_checkpoint_s,
+        "oobleck": {"f": F, "regroup_s": paper.regroup_s},
+        "bamboo": {"rebalance_s": paper.bamboo_rebalance_s},
+        "varuna": {
+            "checkpoint_interval_steps": 10,
+            "checkpoint_s": paper.varuna_checkpoint_s,
+            "init_s": paper.varuna_restart_s - paper.varuna_checkpoint_s,
+        },
     }
 
 
@@ -265,6 +270,7 @@ def _scenario(
             ]
         },
         "assumptions": _assumptions(paper),
+        "policies": _options(paper),
     }
 
 
@@ -341,11 +347,13 @@ def build_traces(seed: int) -> None:
 def run_cell(model: str, system: str, label: str) -> dict[str, Any]:
     scenario = EXAMPLES / f"{model}-{system}.json"
     trace_path = EXAMPLES / "traces" / f"one-node-every-{label}.csv"
-    state = load_scenario(scenario)
+    loaded = load_scenario(scenario)
+    state = loaded.state
     trace = load_csv(trace_path, state.cluster)
     # the run ends at the last removal: failures at the horizon are ignored by the engine
     horizon_s = REMOVALS * INTERVALS_S[label]
-    run = simulate(state, system, trace, horizon_s)
+    policy = policies.get(system, **loaded.options.get(system, {}))
+    run = simulate(state, policy, trace, horizon_s)
     last_step = next((r.step_after_s for r in reversed(run.recoveries) if r.feasible), None)
     return {
         "samples_per_s": run.throughput,

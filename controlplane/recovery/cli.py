@@ -5,20 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from controlplane.recovery import policies
-from controlplane.recovery.codec import candidate_to_dict
+from controlplane.recovery.codec import decision_to_dict
 from controlplane.recovery.codes import Caveat
+from controlplane.recovery.decision import decide
 from controlplane.recovery.errors import InvalidScenario, RecoveryError
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
-from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
-from controlplane.recovery.objective import best_index
-from controlplane.recovery.scenario import load_scenario
+from controlplane.recovery.model import ClusterState, Failure, FailureKind
+from controlplane.recovery.scenario import Scenario, load_scenario
 
 if TYPE_CHECKING:
     from controlplane.recovery.simulator.traces import Distribution
@@ -36,22 +35,27 @@ def estimate(state: ClusterState) -> dict[str, Any]:
     }
 
 
-def plan(state: ClusterState, names: Sequence[str], *, exhaustive: bool = False) -> dict[str, Any]:
-    """Every named policy's candidates for the scenario's failure, and the best one."""
+def asked_options(scenario: Scenario, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The scenario's options of the policies asked (it may set some for others too)."""
+    return {name: dict(scenario.options[name]) for name in names if name in scenario.options}
+
+
+def plan(scenario: Scenario, names: Sequence[str], *, exhaustive: bool = False) -> dict[str, Any]:
+    """Every named policy's candidates for the scenario's failure, and the best one.
+
+    ``exhaustive`` goes to every policy that searches plans (those with that option).
+    """
+    state = scenario.state
     failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
-    chosen_policies = [policies.get(name, exhaustive=exhaustive) for name in names]
-    started = time.perf_counter()
-    candidates: list[Candidate] = []
-    for policy in chosen_policies:
-        candidates.extend(policy.propose(state, failure))
-    for candidate in candidates:
+    options = asked_options(scenario, names)
+    for name in names:
+        if exhaustive and "exhaustive" in policies.option_defaults(name):
+            options.setdefault(name, {})["exhaustive"] = True
+    decision = decide(state, failure, policies=names, options=options)
+    for candidate in decision.candidates:
         for caveat in candidate.caveats:
             print(f"warning [{caveat}]: {candidate.policy}: {CAVEATS[caveat]}", file=sys.stderr)
-    return {
-        "search_time_s": time.perf_counter() - started,
-        "chosen": best_index(candidates),
-        "candidates": [candidate_to_dict(c) for c in candidates],
-    }
+    return decision_to_dict(decision)
 
 
 DEFAULT_POLICIES = "odyssey,oobleck,rerouting"
@@ -96,10 +100,11 @@ TRACE_OPTIONS = (
 )
 
 
-def simulate(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
+def simulate(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     """Run the comparison, write summary.json, timeline.json and report.html; return the summary."""
     from controlplane.recovery import simulator  # simpy and plotly load only here
 
+    state = scenario.state
     if args.spares is not None:
         state = replace(state, cluster=replace(state.cluster, spares=args.spares))
     try:
@@ -121,6 +126,7 @@ def simulate(state: ClusterState, args: argparse.Namespace) -> dict[str, Any]:
             trace=trace,
             seeds=args.seeds,
             base_seed=args.seed,
+            options=asked_options(scenario, args.policies),
         )
         with simulator.progress_bar(experiment) as progress:
             return simulator.run(
@@ -315,13 +321,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
-        state = load_scenario(args.scenario)
+        scenario = load_scenario(args.scenario)
         if args.command == "estimate":
-            result = estimate(state)
+            result = estimate(scenario.state)
         elif args.command == "simulate":
-            result = simulate(state, args)
+            result = simulate(scenario, args)
         else:
-            result = plan(state, args.policy or policies.names(), exhaustive=args.exhaustive)
+            result = plan(scenario, args.policy or policies.names(), exhaustive=args.exhaustive)
     except RecoveryError as exc:
         print(f"error [{exc.code}]: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

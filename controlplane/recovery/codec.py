@@ -13,12 +13,15 @@ refuses failed devices, a batch that does not add up and a stage over memory.
 from __future__ import annotations
 
 import math
-from dataclasses import fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from controlplane.recovery.codes import Caveat
+from controlplane.recovery import policies as registry
+from controlplane.recovery.codes import Caveat, Code, Option
+from controlplane.recovery.decision import Decision
 from controlplane.recovery.errors import InvalidScenario
 from controlplane.recovery.estimator.memory import peak_memory
 from controlplane.recovery.model import (
@@ -27,6 +30,8 @@ from controlplane.recovery.model import (
     Cluster,
     ClusterState,
     ExecutionPlan,
+    Failure,
+    FailureKind,
     Family,
     ModelProfile,
     Pipeline,
@@ -94,9 +99,12 @@ class ScenarioSpec(_Strict):
     plan: PlanSpec
     failed: list[int] = []
     assumptions: dict[str, float | int | str | bool | None] = {}
+    # options of the policies by name, e.g. {"oobleck": {"f": 3}} (policies.describe lists them)
+    policies: dict[str, dict[str, float | int | str | bool | None]] = {}
 
 
 class TransitionSpec(_Strict):
+    detection_s: PositiveFloat = 0.0
     search_s: PositiveFloat = 0.0
     weight_transfer_s: PositiveFloat = 0.0
     restart_s: PositiveFloat = 0.0
@@ -106,14 +114,30 @@ class TransitionSpec(_Strict):
 
 class CandidateSpec(_Strict):
     policy: Annotated[str, Field(min_length=1)]
-    feasible: bool
-    reason: str = ""
+    code: Code
+    note: str = ""
+    feasible: bool | None = None  # derived from the code: accepted on the way in, never trusted
+    option: Option | None = None
     plan: dict[str, Any] | None = None
     est_step_time_s: PositiveFloat | None = None
     transition: TransitionSpec = TransitionSpec()
     peak_memory_bytes: dict[int, PositiveFloat] = {}
     objective: PositiveFloat = 0.0
     caveats: list[Caveat] = []
+
+
+class FailureSpec(_Strict):
+    kind: FailureKind
+    devices: Annotated[list[int], Field(min_length=1)]
+    detected_at_s: PositiveFloat = 0.0
+    detected_by: str = "scenario"
+
+
+class DecisionSpec(_Strict):
+    failure: dict[str, Any]
+    candidates: list[dict[str, Any]]
+    chosen: Annotated[int, Field(ge=0)] | None
+    search_time_s: PositiveFloat = 0.0
 
 
 Spec = TypeVar("Spec", bound=_Strict)
@@ -246,6 +270,7 @@ def validate_plan(data: Any, state: ClusterState, *, field: str = "plan") -> Exe
 
 def transition_to_dict(cost: TransitionCost) -> dict[str, float]:
     return {
+        "detection_s": cost.detection_s,
         "search_s": cost.search_s,
         "weight_transfer_s": cost.weight_transfer_s,
         "restart_s": cost.restart_s,
@@ -257,6 +282,7 @@ def transition_to_dict(cost: TransitionCost) -> dict[str, float]:
 def transition_from_dict(data: Any, *, field: str = "transition") -> TransitionCost:
     spec = _parse(TransitionSpec, data, field)
     return TransitionCost(
+        detection_s=spec.detection_s,
         search_s=spec.search_s,
         weight_transfer_s=spec.weight_transfer_s,
         restart_s=spec.restart_s,
@@ -268,8 +294,10 @@ def candidate_to_dict(candidate: Candidate) -> dict[str, Any]:
     step = candidate.est_step_time_s
     return {
         "policy": candidate.policy,
+        "code": str(candidate.code),
+        "note": candidate.note,
         "feasible": candidate.feasible,
-        "reason": candidate.reason,
+        "option": None if candidate.option is None else str(candidate.option),
         "plan": None if candidate.plan is None else plan_to_dict(candidate.plan),
         "est_step_time_s": None if math.isinf(step) else step,
         "transition": transition_to_dict(candidate.transition),
@@ -289,14 +317,70 @@ def candidate_from_dict(
         plan = plan_from_dict(spec.plan, profile=profile, cluster=cluster, field=f"{field}.plan")
     return Candidate(
         policy=spec.policy,
-        feasible=spec.feasible,
-        reason=spec.reason,
+        code=spec.code,
+        note=spec.note,
+        option=spec.option,
         plan=plan,
         est_step_time_s=math.inf if spec.est_step_time_s is None else spec.est_step_time_s,
         transition=transition_from_dict(spec.transition.model_dump(), field=f"{field}.transition"),
         peak_memory_bytes=dict(spec.peak_memory_bytes),
         objective=spec.objective,
         caveats=tuple(spec.caveats),
+    )
+
+
+# --- failures and decisions ---
+
+
+def failure_to_dict(failure: Failure) -> dict[str, Any]:
+    return {
+        "kind": str(failure.kind),
+        "devices": sorted(failure.devices),
+        "detected_at_s": failure.detected_at_s,
+        "detected_by": failure.detected_by,
+    }
+
+
+def failure_from_dict(data: Any, *, cluster: Cluster, field: str = "failure") -> Failure:
+    spec = _parse(FailureSpec, data, field)
+    for i, device in enumerate(spec.devices):
+        cluster.check_device(device, field=f"{field}.devices[{i}]")
+    return Failure(
+        kind=spec.kind,
+        devices=frozenset(spec.devices),
+        detected_at_s=spec.detected_at_s,
+        detected_by=spec.detected_by,
+    )
+
+
+def decision_to_dict(decision: Decision) -> dict[str, Any]:
+    """The decision as ``plan`` prints it and a decision row stores it."""
+    return {
+        "failure": failure_to_dict(decision.failure),
+        "search_time_s": decision.search_s,
+        "chosen": decision.chosen,
+        "candidates": [candidate_to_dict(c) for c in decision.candidates],
+    }
+
+
+def decision_from_dict(
+    data: Any, *, profile: ModelProfile, cluster: Cluster, field: str = "decision"
+) -> Decision:
+    """A stored decision back; ``chosen`` must name a feasible candidate."""
+    spec = _parse(DecisionSpec, data, field)
+    candidates = tuple(
+        candidate_from_dict(c, profile=profile, cluster=cluster, field=f"{field}.candidates[{i}]")
+        for i, c in enumerate(spec.candidates)
+    )
+    if spec.chosen is not None and (
+        spec.chosen >= len(candidates) or not candidates[spec.chosen].feasible
+    ):
+        raise InvalidScenario("does not name a feasible candidate", field=f"{field}.chosen")
+    return Decision(
+        failure=failure_from_dict(spec.failure, cluster=cluster, field=f"{field}.failure"),
+        candidates=candidates,
+        chosen=spec.chosen,
+        search_s=spec.search_time_s,
     )
 
 
@@ -311,6 +395,21 @@ def _per_layer(value: float | list[float], layers: int, field: str) -> tuple[flo
     return (float(value),) * layers
 
 
+def _check_setting(value: Any, default: Any, field: str) -> None:
+    """A value for a setting whose default is ``default``: the same kind, and not negative
+    unless the default is (an offset)."""
+    numeric = default is None or (
+        isinstance(default, (int, float)) and not isinstance(default, bool)
+    )
+    if isinstance(value, bool) != isinstance(default, bool) or (
+        numeric and not isinstance(value, (int, float))
+    ):
+        raise InvalidScenario(f"expected a value like {default!r}", field=field)
+    may_be_negative = isinstance(default, (int, float)) and default < 0
+    if isinstance(value, (int, float)) and value < 0 and not may_be_negative:
+        raise InvalidScenario("must not be negative", field=field)
+
+
 def _assumptions(overrides: dict[str, Any]) -> Assumptions:
     known = {f.name: f for f in fields(Assumptions)}
     for key, value in overrides.items():
@@ -319,17 +418,53 @@ def _assumptions(overrides: dict[str, Any]) -> Assumptions:
                 f"unknown assumption; known: {', '.join(known)}",
                 field=f"assumptions.{key}",
             )
-        default = getattr(Assumptions(), key)
-        numeric = default is None or (
-            isinstance(default, (int, float)) and not isinstance(default, bool)
-        )
-        if isinstance(value, bool) != isinstance(default, bool) or (
-            numeric and not isinstance(value, (int, float))
-        ):
-            raise InvalidScenario(f"expected a value like {default!r}", field=f"assumptions.{key}")
-        if isinstance(value, (int, float)) and value < 0:
-            raise InvalidScenario("must not be negative", field=f"assumptions.{key}")
+        _check_setting(value, getattr(Assumptions(), key), f"assumptions.{key}")
     return replace(Assumptions(), **overrides)
+
+
+def options_from_dict(data: Any, *, field: str = "policies") -> dict[str, dict[str, Any]]:
+    """Policy options by name, each checked against the options its policy takes."""
+    if not isinstance(data, dict):
+        raise InvalidScenario("expected an object of policy names", field=field)
+    options: dict[str, dict[str, Any]] = {}
+    for name, given in data.items():
+        if name not in registry.names():
+            raise InvalidScenario(
+                f"unknown policy; known: {', '.join(registry.names())}", field=f"{field}.{name}"
+            )
+        if not isinstance(given, dict):
+            raise InvalidScenario("expected an object of options", field=f"{field}.{name}")
+        known = registry.option_defaults(name)
+        for key, value in given.items():
+            if key not in known:
+                raise registry.InvalidOption(
+                    f"unknown option; {name} takes: {', '.join(known) or 'none'}",
+                    field=f"{field}.{name}.{key}",
+                )
+            _check_setting(value, known[key], f"{field}.{name}.{key}")
+        options[name] = dict(given)
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A scenario file's contents: the cluster state, and the options of the policies."""
+
+    state: ClusterState
+    options: Mapping[str, Mapping[str, Any]]
+
+
+def scenario_from_dict(data: Any) -> Scenario:
+    """A whole scenario object: its state and its ``policies`` section."""
+    state = state_from_dict(data)
+    return Scenario(state=state, options=options_from_dict(data.get("policies", {})))
+
+
+def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
+    data = state_to_dict(scenario.state)
+    if scenario.options:
+        data["policies"] = {name: dict(given) for name, given in scenario.options.items()}
+    return data
 
 
 def state_from_dict(data: Any) -> ClusterState:

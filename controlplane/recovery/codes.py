@@ -1,8 +1,73 @@
-"""Stable codes the core attaches to its answers, for callers that branch on them."""
+"""Stable codes the core attaches to its answers, for callers that branch on them.
+
+Every candidate carries one ``Code`` (``ok``, or why its policy declines) and a human ``note``;
+callers key on the code, never on the note's words. docs/scenario.md lists them for users.
+"""
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import NamedTuple
+
+
+class Code(StrEnum):
+    """What a candidate is: ``OK`` when its plan applies, otherwise why its policy declines.
+
+    The values are part of the interface (REST bodies, decision rows, dashboard filters): add new
+    ones, never rename one.
+    """
+
+    OK = "ok"
+    # --- the survivors cannot hold a plan ---
+    # a device would need more memory than it has (the candidate may still show the plan)
+    OUT_OF_MEMORY = "out_of_memory"
+    # no healthy device group (tensor-parallel width) is left at all
+    NO_DEVICE_GROUP = "no_device_group"
+    # no plan of the policy's shape over the surviving groups fits memory and the batch
+    NO_FITTING_PLAN = "no_fitting_plan"
+    # fewer healthy nodes than the policy's smallest pipeline needs (Oobleck's templates)
+    TOO_FEW_NODES = "too_few_nodes"
+    # --- the state to continue from is gone ---
+    # some layers lost every live data-parallel replica: nothing to reroute to or copy from
+    NO_LIVE_REPLICA = "no_live_replica"
+    # a NaN fault may have spread to every replica through the gradient all-reduce
+    UNTRUSTED_STATE = "untrusted_state"
+    # --- the policy's own preconditions ---
+    # the policy replaces lost devices with spares, and too few spares are healthy
+    NO_SPARE = "no_spare"
+    # a copy the recovery needs has no usable link (the scenario gives no bandwidth for it)
+    NO_LINK = "no_link"
+    # two lost stages are neighbours, so neither can be rebuilt from (or shadowed by) the other
+    ADJACENT_STAGES_LOST = "adjacent_stages_lost"
+    # a first or last stage was lost and CheckFree needs two live neighbours
+    EDGE_STAGE = "edge_stage"
+    # CheckFree+'s swap pairs overlap: the pipeline has too few stages
+    TOO_FEW_STAGES = "too_few_stages"
+    # neighbouring stages have different parameter layouts, so averaging them is undefined
+    SHAPE_MISMATCH = "shape_mismatch"
+    # the lost stage still has a live data-parallel replica: copy it instead of rebuilding it
+    STAGE_HAS_REPLICA = "stage_has_replica"
+    # --- an adaptive policy's options ---
+    # a re-plan not placed, because another option's objective beats the best it could reach
+    DOMINATED = "dominated"
+    # none of an adaptive policy's options applies; the note gives each option's code
+    NO_OPTION = "no_option"
+
+
+class Option(StrEnum):
+    """Which of its options an adaptive policy (odyssey, pitstop) chose; empty for the others."""
+
+    REROUTE = "reroute"  # the failed stages' micro-batches go to live replicas (Odyssey eq. 12/13)
+    SWAP = "swap"  # the lost groups are replaced by spares, restored from a live replica
+    REPLAN = "replan"  # a new plan over the surviving groups of the job (Odyssey Algorithm 1)
+    REPLAN_WITH_SPARES = "replan_with_spares"  # the same over survivors and idle spares
+
+
+class Declined(NamedTuple):
+    """Why a step of a policy's search found nothing: the candidate's code and note to be."""
+
+    code: Code
+    note: str
 
 
 class Caveat(StrEnum):

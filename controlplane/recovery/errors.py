@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from controlplane.recovery.codes import Code
+
 
 class RecoveryError(Exception):
     """Base of every error the core raises on purpose; ``code`` is stable at every edge."""
@@ -26,9 +28,16 @@ class UnknownDevice(InvalidScenario):
 
 
 class InfeasiblePlan(RecoveryError):
-    """No plan exists that satisfies the constraints (memory, batch, surviving replicas)."""
+    """No plan exists that satisfies the constraints (memory, batch, surviving replicas).
+
+    ``decline`` says why in the stable vocabulary a declined candidate carries.
+    """
 
     code = "infeasible_plan"
+
+    def __init__(self, message: str, *, decline: Code = Code.NO_FITTING_PLAN) -> None:
+        self.decline = decline
+        super().__init__(message)
 
 
 class UnknownPolicy(RecoveryError):

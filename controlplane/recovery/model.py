@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import accumulate
 
-from controlplane.recovery.codes import Caveat
+from controlplane.recovery.codes import Caveat, Code, Option
 from controlplane.recovery.errors import InvalidScenario, UnknownDevice
 
 # Korthikanti et al. (2022): a transformer layer keeps about 34·s·b·h bytes of activations for the
@@ -187,7 +187,10 @@ class Training:
 
 @dataclass(frozen=True, slots=True)
 class Assumptions:
-    """Costs the papers leave unstated; every policy and the simulator read them from here."""
+    """Costs every policy shares that the papers leave unstated (detection, restart, checkpoints).
+
+    A policy's own constants are its options (fields of its class in ``policies/``).
+    """
 
     detection_s: float = 0.0
     # Planning runs ahead of faults (Chameleon caches plans per survivor count), so the critical
@@ -197,44 +200,6 @@ class Assumptions:
     checkpoint_interval_steps: int = 100
     checkpoint_load_s: float | None = None
     storage_gbps: float = 200.0
-    # FlashRecovery §6: in-place restart whatever the scale (Table III: 78-116 s, median 90;
-    # 85 s plus restore reproduces it), and the ~1 s setup of the peer-to-peer state transfer.
-    flashrecovery_restart_s: float = 85.0
-    flashrecovery_restore_setup_s: float = 1.0
-    # FlashRecovery §4 Table II, §6 baseline: a full restart grows with the devices N,
-    # max(60, 0.244·N − 198) s (least-squares fit over 1.8k-5.5k devices; the 60 s floor is ours).
-    full_restart_s_per_device: float = 0.244
-    full_restart_offset_s: float = -198.0
-    full_restart_min_s: float = 60.0
-    # CheckFree §2, §6.1: provision a spare and rejoin, about 30 s in the paper's setup.
-    checkfree_restart_s: float = 30.0
-    # CheckFree §6.5: convergence cost of one rebuilt stage in equivalent extra steps, fitted to
-    # Table 2 (k_cf = 25; CheckFree+ k_cfp = 12.5, its swap overhead being paid all along).
-    checkfree_penalty_steps: float = 25.0
-    checkfree_plus_penalty_steps: float = 12.5
-    # CheckFree §6.5: the swap schedule's standing inflation of the steps to converge, s ≈ 0.23
-    # from the same fit, paid by CheckFree+ whether or not anything fails (Fig. 5b).
-    checkfree_plus_step_inflation: float = 0.23
-    # CheckFree §3, §6.6: bytes of the embedding/LM head that CheckFree+ replicates next door;
-    # the profile does not single them out, so 0 unless the scenario says.
-    embedding_bytes: float = 0.0
-    # Oobleck §3, §7.1 (oobleck.md §7): failures to tolerate, f + 1 pipelines kept (the paper
-    # leaves f unstated; its code defaults to 3). Regrouping is the NCCL teardown and rebuild after
-    # a repair; the paper reports no reconfiguration time, so 2 s, the low end of its artifact's
-    # 2-10 s per failure. ``oobleck_replan`` also proposes the best re-instantiation (§4.2).
-    oobleck_f: int = 1
-    oobleck_regroup_s: float = 2.0
-    oobleck_replan: bool = False
-    # Bamboo as Oobleck's artifact simulates it (oobleck.md §5): the step hit by a failure runs
-    # 1.5x slower, then a rebalance pause follows (76 s for BERT-Large, 80-450 s for the others).
-    bamboo_fallback_slowdown: float = 1.5
-    bamboo_rebalance_s: float = 76.0
-    # Varuna (Oobleck §7.1): a synchronous checkpoint every 10 iterations. Restart pause r − c from
-    # the artifact for BERT-Large (71.3 − 15.8 s), before the checkpoint load. The blocking
-    # checkpoint write is ckpt bytes / storage bandwidth unless given (artifact: 11-120 s).
-    varuna_checkpoint_interval_steps: int = 10
-    varuna_init_s: float = 55.5
-    varuna_checkpoint_s: float | None = None
 
 
 class Family(StrEnum):
@@ -378,8 +343,13 @@ class ClusterState:
 
 @dataclass(frozen=True, slots=True)
 class TransitionCost:
-    """Seconds a move to a new plan costs, broken down as the objective and the timeline need."""
+    """Seconds a move to a new plan costs, broken down as the objective and the timeline need.
 
+    In the order they happen: the fault goes unnoticed (detection), the plan is searched, weights
+    move, the job restarts, then redoes the work the fault threw away (lost work).
+    """
+
+    detection_s: float = 0.0
     search_s: float = 0.0
     weight_transfer_s: float = 0.0
     restart_s: float = 0.0
@@ -387,23 +357,39 @@ class TransitionCost:
 
     @property
     def total_s(self) -> float:
-        return self.search_s + self.weight_transfer_s + self.restart_s + self.lost_work_s
+        return (
+            self.detection_s
+            + self.search_s
+            + self.weight_transfer_s
+            + self.restart_s
+            + self.lost_work_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A plan a policy proposes, with its estimates; infeasible candidates carry a reason."""
+    """A plan a policy proposes, with its estimates.
+
+    ``code`` is ``Code.OK`` when the plan applies, otherwise why the policy declines (a plan over
+    memory is still shown); ``note`` says the same for a person, and callers never parse it.
+    """
 
     policy: str
-    feasible: bool
-    reason: str = ""
+    code: Code = Code.OK
+    note: str = ""
     plan: ExecutionPlan | None = None
     est_step_time_s: float = math.inf
     transition: TransitionCost = TransitionCost()
     peak_memory_bytes: Mapping[int, float] = field(default_factory=dict)
     objective: float = 0.0
     caveats: tuple[Caveat, ...] = ()
+    # which of its options an adaptive policy chose (None for the others)
+    option: Option | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.code is Code.OK
 
     @classmethod
-    def infeasible(cls, policy: str, reason: str) -> Candidate:
-        return cls(policy=policy, feasible=False, reason=reason)
+    def declined(cls, policy: str, code: Code, note: str) -> Candidate:
+        return cls(policy=policy, code=code, note=note)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-
-from controlplane.recovery.model import Candidate
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -31,11 +28,3 @@ def objective(
         return throughput
     return throughput * t_state_s / (transition_s + t_state_s)
 
-
-def best_index(candidates: Sequence[Candidate]) -> int | None:
-    """Index of the feasible candidate with the highest objective (first one on ties)."""
-    best: int | None = None
-    for i, c in enumerate(candidates):
-        if c.feasible and (best is None or c.objective > candidates[best].objective):
-            best = i
-    return best

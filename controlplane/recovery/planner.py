@@ -33,6 +33,7 @@ from itertools import combinations
 import numpy as np
 import numpy.typing as npt
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.estimator.memory import stage_peak_bytes
@@ -657,5 +658,5 @@ def dp_window(old_dp: int, groups: int) -> list[int]:
     Widths beyond the surviving groups are clipped to them (many failures at once).
     """
     if groups < 1:
-        raise InfeasiblePlan("no healthy device group left")
+        raise InfeasiblePlan("no healthy device group left", decline=Code.NO_DEVICE_GROUP)
     return sorted({min(max(d, 1), groups) for d in (old_dp - 1, old_dp, old_dp + 1)})

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan, InvalidScenario
 from controlplane.recovery.model import Cluster, ExecutionPlan, ModelProfile
 
@@ -139,7 +140,10 @@ def _checked_groups(
                 field="slots",
             )
     if len(groups) < len(slots):
-        raise InfeasiblePlan(f"{len(slots)} stages need as many device groups, got {len(groups)}")
+        raise InfeasiblePlan(
+            f"{len(slots)} stages need as many device groups, got {len(groups)}",
+            decline=Code.NO_FITTING_PLAN,
+        )
     sizes = {len(g) for g in groups}
     if len(sizes) > 1 or 0 in sizes:
         raise InvalidScenario(

@@ -1,4 +1,4 @@
-"""Scenario files: the JSON contract of the CLI and simulator, read into a ClusterState.
+"""Scenario files: the JSON contract of the CLI and simulator, read into a ``Scenario``.
 
 The format is the codec's (``controlplane.recovery.codec``); this module only reads files.
 """
@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from controlplane.recovery.codec import state_from_dict
+from controlplane.recovery.codec import Scenario, scenario_from_dict
 from controlplane.recovery.errors import InvalidScenario
-from controlplane.recovery.model import ClusterState
+
+__all__ = ["Scenario", "load_scenario"]
 
 
-def build_state(data: Any) -> ClusterState:
-    """Validate a scenario object (parsed JSON) and build the state it describes."""
-    return state_from_dict(data)
-
-
-def load_scenario(path: str | Path) -> ClusterState:
-    """Read and validate a scenario file."""
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file: its state and its policies' options."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -30,4 +25,4 @@ def load_scenario(path: str | Path) -> ClusterState:
             f"not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
             field="scenario",
         ) from None
-    return build_state(data)
+    return scenario_from_dict(data)

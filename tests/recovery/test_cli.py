@@ -13,12 +13,19 @@ from typing import Any
 import pytest
 
 from controlplane.recovery.cli import main
+from controlplane.recovery.codec import state_from_dict
 from controlplane.recovery.estimator import symmetric_step_time
-from controlplane.recovery.scenario import build_state
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.json"))
-TRANSITION_KEYS = {"search_s", "weight_transfer_s", "restart_s", "lost_work_s", "total_s"}
+TRANSITION_KEYS = {
+    "detection_s",
+    "search_s",
+    "weight_transfer_s",
+    "restart_s",
+    "lost_work_s",
+    "total_s",
+}
 
 
 def scenario(**changes: Any) -> dict[str, Any]:
@@ -115,8 +122,10 @@ def test_plan_lists_every_policy_and_chooses_the_best(run: Runner) -> None:
     for c in out["candidates"]:
         assert set(c) == {
             "policy",
+            "code",
+            "note",
             "feasible",
-            "reason",
+            "option",
             "plan",
             "est_step_time_s",
             "transition",
@@ -245,7 +254,7 @@ def test_example_scenarios_plan(path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_scenario_doc_example_is_valid() -> None:
     text = (ROOT / "docs" / "scenario.md").read_text()
     block = text.split("```json\n", 1)[1].split("```", 1)[0]
-    state = build_state(json.loads(block))
+    state = state_from_dict(json.loads(block))
     assert state.failed == {5} and state.plan.dp == 2 and state.training.micro_batches == 32
 
 

@@ -13,13 +13,22 @@ from hypothesis import strategies as st
 from controlplane.recovery.codec import (
     candidate_from_dict,
     candidate_to_dict,
+    decision_from_dict,
+    decision_to_dict,
     plan_to_dict,
     state_from_dict,
     state_to_dict,
     validate_plan,
 )
+from controlplane.recovery.decision import decide
 from controlplane.recovery.errors import InvalidScenario
-from controlplane.recovery.model import Assumptions, ClusterState, ModelProfile
+from controlplane.recovery.model import (
+    Assumptions,
+    ClusterState,
+    Failure,
+    FailureKind,
+    ModelProfile,
+)
 from controlplane.recovery.policies.dynamic import plan_dynamic
 from controlplane.recovery.policies.rerouting import plan_rerouting
 from tests.recovery.builders import examples, grid_state
@@ -85,6 +94,30 @@ def test_candidates_round_trip_through_json(state: ClusterState) -> None:
         data = through_json(candidate_to_dict(candidate))
         back = candidate_from_dict(data, profile=state.profile, cluster=state.cluster)
         assert back == candidate
+
+
+@given(state=states(), kind=st.sampled_from(FailureKind))
+@settings(max_examples=examples(40), deadline=None)
+def test_decisions_round_trip_through_json(state: ClusterState, kind: FailureKind) -> None:
+    failure = Failure(kind=kind, devices=state.failed or frozenset({0}), detected_at_s=1.5)
+    decision = decide(
+        state.with_failure(failure), failure, policies=["odyssey", "flashrecovery", "checkfree"]
+    )
+    data = through_json(decision_to_dict(decision))
+    assert decision_from_dict(data, profile=state.profile, cluster=state.cluster) == decision
+
+
+def test_a_stored_choice_must_be_a_feasible_candidate() -> None:
+    state = grid_state(pp=2, dp=2, failed=[1])
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    data = decision_to_dict(decide(state, failure, policies=["rerouting", "checkpoint"]))
+    assert data["candidates"][1]["code"] == "no_spare"  # checkpoint needs a spare
+    data["chosen"] = 1
+    with pytest.raises(InvalidScenario, match=r"^decision\.chosen: does not name a feasible"):
+        decision_from_dict(data, profile=state.profile, cluster=state.cluster)
+    data["chosen"], data["failure"]["devices"] = 0, [99]
+    with pytest.raises(InvalidScenario, match=r"^decision\.failure\.devices\[0\]"):
+        decision_from_dict(data, profile=state.profile, cluster=state.cluster)
 
 
 def test_examples_round_trip(tmp_path: Any) -> None:

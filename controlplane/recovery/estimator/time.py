@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds
 from controlplane.recovery.model import (
@@ -38,7 +39,10 @@ def rerouting_step_time(
     extra = 0.0
     for stage, f in enumerate(failed_per_stage):
         if f >= n_dp:
-            raise InfeasiblePlan(f"stage {stage} lost all {n_dp} replicas; rerouting impossible")
+            raise InfeasiblePlan(
+                f"stage {stage} lost all {n_dp} replicas; rerouting impossible",
+                decline=Code.NO_LIVE_REPLICA,
+            )
         if f:
             # Odyssey eq. 13: stage i's F_i·N_m micro-batches spread over its N_dp − F_i survivors
             extra += n_m * f / (n_dp - f)
@@ -180,7 +184,10 @@ def rerouted_extra_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
     for layers, lost in by_range.items():
         survivors = live_replicas.get(layers, 0)
         if survivors == 0:
-            raise InfeasiblePlan(f"layers {list(layers)} have no live replica to reroute to")
+            raise InfeasiblePlan(
+                f"layers {list(layers)} have no live replica to reroute to",
+                decline=Code.NO_LIVE_REPLICA,
+            )
         extra += sum(lost) / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
     return extra
 

@@ -1,65 +1,123 @@
-"""Registry of recovery policies: one name, one module, imported only when chosen."""
+"""Registry of recovery policies: one name, one module, imported only when chosen.
+
+A policy is a frozen dataclass whose fields are its options (with the papers' values as
+defaults) and whose ``propose`` answers a failure; its docstring's first line is its summary.
+Adding one is its module plus one ``register`` line here.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from controlplane.recovery.errors import UnknownPolicy
+from controlplane.recovery.errors import InvalidScenario, UnknownPolicy
 from controlplane.recovery.policies.base import Policy
 
-PolicyFactory = Callable[..., Policy]
 
-# name -> "module:attribute" of the factory (usually the policy class).
-_REGISTRY: dict[str, str] = {}
-# name -> keyword options its factory understands (e.g. the planner's exhaustive mode).
-_OPTIONS: dict[str, frozenset[str]] = {}
+class InvalidOption(InvalidScenario):
+    """An option a policy does not take, or a value it cannot take."""
+
+    code = "invalid_option"
 
 
-def register(name: str, target: str, *, options: frozenset[str] = frozenset()) -> None:
-    """Register a policy factory by dotted path; a name registered twice is an error."""
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    target: str  # "module:Class"
+    preset: tuple[tuple[str, Any], ...]  # options fixed by this name (``odyssey_spares``)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInfo:
+    """What the API and the job form show of a policy: name, summary, options and defaults."""
+
+    name: str
+    summary: str
+    options: dict[str, Any]
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register(name: str, target: str, **preset: Any) -> None:
+    """Register a policy class by dotted path; ``preset`` fixes options for this name.
+
+    A name registered twice is an error.
+    """
     if name in _REGISTRY:
-        raise ValueError(f"policy {name!r} is already registered as {_REGISTRY[name]}")
-    _REGISTRY[name] = target
-    _OPTIONS[name] = options
+        raise ValueError(f"policy {name!r} is already registered as {_REGISTRY[name].target}")
+    _REGISTRY[name] = _Entry(target, tuple(preset.items()))
 
 
 def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str, **options: object) -> Policy:
-    """Instantiate the named policy; an unknown name's error lists the known ones.
-
-    Options the policy does not understand are dropped, so one set can be passed to all.
-    """
+def _entry(name: str) -> _Entry:
     try:
-        target = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise UnknownPolicy(f"unknown policy {name!r}; known: {', '.join(_REGISTRY)}") from None
-    module_name, attribute = target.split(":")
-    factory: PolicyFactory = getattr(importlib.import_module(module_name), attribute)
-    return factory(**{k: v for k, v in options.items() if k in _OPTIONS[name]})
+
+
+def _class(name: str) -> type[Policy]:
+    module_name, attribute = _entry(name).target.split(":")
+    cls: type[Policy] = getattr(importlib.import_module(module_name), attribute)
+    return cls
+
+
+def option_defaults(name: str) -> dict[str, Any]:
+    """The options the named policy takes, with their defaults (its preset ones left out)."""
+    cls = _class(name)
+    preset = dict(_entry(name).preset)
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in preset and f.default is not dataclasses.MISSING
+    }
+
+
+def describe(name: str) -> PolicyInfo:
+    """Name, one-line summary and options of a registered policy (imports its module)."""
+    doc = (_class(name).__doc__ or "").strip()
+    return PolicyInfo(
+        name=name, summary=doc.splitlines()[0] if doc else "", options=option_defaults(name)
+    )
+
+
+def get(name: str, **options: Any) -> Policy:
+    """Instantiate the named policy with ``options``; an unknown name or option is refused.
+
+    The error for an unknown name lists the known ones, and for an unknown option the ones the
+    policy takes.
+    """
+    known = option_defaults(name)
+    for key in options:
+        if key not in known:
+            raise InvalidOption(
+                f"policy {name!r} takes no option {key!r}; it takes: {', '.join(known) or 'none'}",
+                field=f"options.{name}.{key}",
+            )
+    return _class(name)(**dict(_entry(name).preset), **options)
 
 
 _P = "controlplane.recovery.policies."
-_PLANNING = frozenset({"exhaustive"})
-register("odyssey", _P + "odyssey:OdysseyPolicy", options=_PLANNING)
+register("odyssey", _P + "odyssey:OdysseyPolicy")
 register("rerouting", _P + "rerouting:ReroutingPolicy")
-register("dynamic", _P + "dynamic:DynamicPolicy", options=_PLANNING)
-for _name, _target in [
-    ("oobleck", _P + "oobleck:OobleckPolicy"),
-    ("checkfree", _P + "checkfree:CheckFreePolicy"),
-    ("checkfree_plus", _P + "checkfree:CheckFreePlusPolicy"),
-    ("flashrecovery", _P + "flashrecovery:FlashRecoveryPolicy"),
-    ("checkpoint", _P + "checkpoint:CheckpointPolicy"),
-    ("bamboo", _P + "bamboo:BambooPolicy"),
-    ("varuna", _P + "varuna:VarunaPolicy"),
-]:
-    register(_name, _target)
+register("dynamic", _P + "dynamic:DynamicPolicy")
+register("oobleck", _P + "oobleck:OobleckPolicy")
+register("checkfree", _P + "checkfree:CheckFreePolicy")
+register("checkfree_plus", _P + "checkfree:CheckFreePlusPolicy")
+register("flashrecovery", _P + "flashrecovery:FlashRecoveryPolicy")
+register("checkpoint", _P + "checkpoint:CheckpointPolicy")
+register("bamboo", _P + "bamboo:BambooPolicy")
+register("varuna", _P + "varuna:VarunaPolicy")
 # Pitstop's own policies come after the papers' (docs/reproduction/odyssey.md): Odyssey with its
 # re-plan allowed onto spares, the fair baseline on a cluster with spares, then pitstop.
-register("odyssey_spares", _P + "odyssey:odyssey_with_spares", options=_PLANNING)
-register("pitstop", _P + "pitstop:PitstopPolicy", options=_PLANNING)
+register("odyssey_spares", _P + "odyssey:OdysseyPolicy", use_spares=True)
+register("pitstop", _P + "pitstop:PitstopPolicy")
 
-__all__ = ["Policy", "get", "names", "register"]
+__all__ = ["InvalidOption", "Policy", "PolicyInfo", "describe", "get", "names", "register"]

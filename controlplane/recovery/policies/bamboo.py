@@ -10,9 +10,10 @@ lasts through the pause, so it never sets the step time.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import (
     Candidate,
@@ -25,7 +26,7 @@ from controlplane.recovery.model import (
     TransitionCost,
 )
 from controlplane.recovery.planner import even_splits
-from controlplane.recovery.policies.base import score
+from controlplane.recovery.policies.base import SteadyCosts, score
 from controlplane.recovery.policies.replacement import group_size
 
 
@@ -81,13 +82,14 @@ def shadow_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float
 
 
 def _over_memory(state: ClusterState, plan: ExecutionPlan, peaks: dict[int, float]) -> str | None:
+    """Which stage and its shadow exceed device memory; None when every stage fits."""
     capacity = state.cluster.device_memory_bytes
     for p, pipeline in enumerate(plan.pipelines):
         for s, stage in enumerate(pipeline.stages):
             peak = max(peaks.get(d, 0.0) for d in stage.devices)
             if peak > capacity:
                 return (
-                    f"bamboo_oom: stages {s},{successor(s, pipeline.depth)} of pipeline {p} "
+                    f"stages {s},{successor(s, pipeline.depth)} of pipeline {p} "
                     f"exceed device memory ({peak:.3g} > {capacity:.3g} bytes)"
                 )
     return None
@@ -173,10 +175,22 @@ def _shadow_copy_s(state: ClusterState, copies: list[int]) -> float:
     return slowest
 
 
-class BambooPolicy:
-    """Bamboo: shadow every stage on its predecessor, take over on failure, restart on two."""
+@dataclass(frozen=True)
+class BambooPolicy(SteadyCosts):
+    """Bamboo: shadow every stage on its predecessor, take over on failure, restart on two.
 
+    As Oobleck's artifact simulates it: the step hit by a failure runs ``fallback_slowdown``
+    times slower, then a rebalance pause of ``rebalance_s`` follows (76 s for BERT-Large in the
+    artifact, 80-450 s for the other models).
+    """
+
+    fallback_slowdown: float = 1.5
+    rebalance_s: float = 76.0
     name: ClassVar[str] = "bamboo"
+
+    def step_factor(self, state: ClusterState) -> float:
+        """Every stage also runs its successor's forward pass, failures or not."""
+        return redundancy_step_factor(state.profile, state.plan)
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
         return [self._candidate(state)]
@@ -191,18 +205,19 @@ class BambooPolicy:
         for p, pipeline in enumerate(plan.pipelines):
             hit = sorted(s for q, s in lost if q == p)
             if hit and pipeline.depth == 1:
-                return Candidate.infeasible(
+                return Candidate.declined(
                     self.name,
-                    f"adjacent_failure: stage 0 of pipeline {p} lost and a one-stage pipeline "
+                    Code.ADJACENT_STAGES_LOST,
+                    f"stage 0 of pipeline {p} lost and a one-stage pipeline "
                     "has no shadow; restart from checkpoint",
                 )
             for s in hit:
                 nxt = successor(s, pipeline.depth)
                 if nxt in hit:
-                    return Candidate.infeasible(
+                    return Candidate.declined(
                         self.name,
-                        f"adjacent_failure: stages {s},{nxt} of pipeline {p} lost; restart from "
-                        "checkpoint",
+                        Code.ADJACENT_STAGES_LOST,
+                        f"stages {s},{nxt} of pipeline {p} lost; restart from checkpoint",
                     )
         if lost:
             taken_over, copies = take_over(plan, lost)
@@ -210,13 +225,13 @@ class BambooPolicy:
             assumptions = state.assumptions
             old_step = estimate_step_time(state.profile, state.cluster, plan)
             transition = TransitionCost(
+                detection_s=assumptions.detection_s,
                 weight_transfer_s=_shadow_copy_s(state, copies),
                 # artifact simulator: a rebalance pause follows the takeover at once; it also
                 # covers moving the layers whose stage changed in the rebalanced split
-                restart_s=assumptions.bamboo_rebalance_s,
+                restart_s=self.rebalance_s,
                 # the step hit by the failure runs 1.5x slower instead of being lost
-                lost_work_s=assumptions.detection_s
-                + (assumptions.bamboo_fallback_slowdown - 1) * old_step,
+                lost_work_s=(self.fallback_slowdown - 1) * old_step,
             )
         else:
             # the fault hit no stage of the plan: training never stopped
@@ -224,7 +239,7 @@ class BambooPolicy:
         peaks = shadow_memory(state.profile, new_plan)
         over = _over_memory(state, new_plan, peaks)
         if over is not None:
-            return Candidate.infeasible(self.name, over)
+            return Candidate.declined(self.name, Code.OUT_OF_MEMORY, over)
         candidate = score(
             self.name,
             state,

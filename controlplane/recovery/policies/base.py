@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator import estimate_step_time, peak_memory
 from controlplane.recovery.model import (
@@ -28,6 +29,36 @@ class Policy(Protocol):
         """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""
         ...
 
+    def step_factor(self, state: ClusterState) -> float:
+        """Factor on the plain step of ``state.plan`` that the policy's layout always pays."""
+        ...
+
+    def busy_share(self, state: ClusterState, step_s: float) -> float:
+        """Share of running time spent on something other than steps (blocking checkpoints)."""
+        ...
+
+    def convergence_factor(self, state: ClusterState) -> float:
+        """Factor on the steps needed to converge: each step yields fewer useful samples."""
+        ...
+
+
+class SteadyCosts:
+    """Standing costs a policy pays whether or not anything fails: none, unless it says so.
+
+    Policies inherit this and override what they pay (Bamboo's redundant forward pass, Varuna's
+    blocking checkpoints, CheckFree+'s swap schedule). Candidates' step times already include
+    ``step_factor``; the simulator charges the other two while the policy runs.
+    """
+
+    def step_factor(self, state: ClusterState) -> float:
+        return 1.0
+
+    def busy_share(self, state: ClusterState, step_s: float) -> float:
+        return 0.0
+
+    def convergence_factor(self, state: ClusterState) -> float:
+        return 1.0
+
 
 def score(
     policy: str,
@@ -46,15 +77,15 @@ def score(
     try:
         step_time = estimate_step_time(state.profile, state.cluster, plan) * step_time_factor
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, str(exc))
+        return Candidate.declined(policy, exc.decline, str(exc))
     peaks = {d: b + extra_memory_bytes for d, b in peak_memory(state.profile, plan).items()}
     capacity = state.cluster.device_memory_bytes
     over = [d for d, b in peaks.items() if b > capacity]
     if over:
         return Candidate(
             policy=policy,
-            feasible=False,
-            reason=f"out of memory on devices {sorted(over)[:8]}: peak {max(peaks.values()):.3g} "
+            code=Code.OUT_OF_MEMORY,
+            note=f"out of memory on devices {sorted(over)[:8]}: peak {max(peaks.values()):.3g} "
             f"bytes > capacity {capacity:.3g}",
             plan=plan,
             est_step_time_s=step_time,
@@ -67,7 +98,6 @@ def score(
     )
     return Candidate(
         policy=policy,
-        feasible=True,
         plan=plan,
         est_step_time_s=step_time,
         transition=transition,
@@ -82,12 +112,13 @@ def score(
 
 
 def interrupted_work_s(state: ClusterState) -> float:
-    """Work lost to a fault under every policy: detection plus the interrupted step.
+    """Work lost to a fault under every policy: the interrupted step, redone after recovery.
 
     The part of the step done when the fault came is lost (``state.interrupted_step_s``, none
-    when no step was running); without a clock to tell, the whole step, the worst case.
+    when no step was running); without a clock to tell, the whole step, the worst case. The time
+    the fault went unnoticed is charged apart, as ``TransitionCost.detection_s``.
     """
     lost = state.interrupted_step_s
     if lost is None:
         lost = estimate_step_time(state.profile, state.cluster, state.plan)
-    return state.assumptions.detection_s + lost
+    return lost

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from itertools import pairwise
+from typing import ClassVar
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
-    Assumptions,
     Candidate,
     ClusterState,
     ExecutionPlan,
@@ -16,7 +18,7 @@ from controlplane.recovery.model import (
     ModelProfile,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 from controlplane.recovery.policies.replacement import (
     Copy,
     StageKey,
@@ -25,6 +27,15 @@ from controlplane.recovery.policies.replacement import (
     group_size,
     replace_stages,
 )
+
+# CheckFree §2, §6.1: provision a spare and rejoin, about 30 s in the paper's setup.
+RESTART_S = 30.0
+# CheckFree §6.5: convergence cost of one rebuilt stage in equivalent extra steps, fitted to its
+# Table 2: k_cf = 25 for CheckFree, k_cfp = 12.5 for CheckFree+, whose swap schedule inflates the
+# steps to converge by s ≈ 0.23 whether or not anything fails (same fit, Fig. 5b).
+PENALTY_STEPS = 25.0
+PLUS_PENALTY_STEPS = 12.5
+PLUS_STEP_INFLATION = 0.23
 
 # CheckFree+ swaps S1 with S2 and S(L-1) with SL on half of the micro-batches (003 §3), which
 # needs two swap pairs that do not overlap.
@@ -72,8 +83,10 @@ def parameter_bytes(profile: ModelProfile, layers: tuple[int, int]) -> float:
     return sum(profile.m_p[layers[0] : layers[1]])
 
 
-def infeasibility(state: ClusterState, broken: tuple[StageKey, ...], *, plus: bool) -> str | None:
-    """The first §6.2 rule the lost stages break, as ``code: reason``; None when all pass.
+def infeasibility(
+    state: ClusterState, broken: tuple[StageKey, ...], *, plus: bool
+) -> tuple[Code, str] | None:
+    """The first §6.2 rule the lost stages break, as (code, note); None when all pass.
 
     Rules run in §6.2's order, except that the variant's own structural rule (6 edge_stage, 11
     too_few_stages) runs before 3 shape_mismatch, which needs the sources those rules define.
@@ -89,8 +102,9 @@ def infeasibility(state: ClusterState, broken: tuple[StageKey, ...], *, plus: bo
         # §6.1: a stage is lost when some shard has no healthy data-parallel copy left
         if stage.rerouted or all((stage.layers, rank) in live for rank in range(tp)):
             return (
-                f"stage_has_replica: stage {s} still has a live data-parallel replica; "
-                "copy it from the peer instead (exact)"
+                Code.STAGE_HAS_REPLICA,
+                f"stage {s} still has a live data-parallel replica; copy it from the peer "
+                "instead (exact)",
             )
     for p, pipeline in enumerate(plan.pipelines):
         lost = sorted(s for q, s in broken if q == p)
@@ -101,50 +115,65 @@ def infeasibility(state: ClusterState, broken: tuple[StageKey, ...], *, plus: bo
         if pairs:
             a, b = pairs[0]
             return (
-                f"adjacent_stages_lost: stages {a} and {b} are adjacent and both lost; "
-                "no neighbour pair remains"
+                Code.ADJACENT_STAGES_LOST,
+                f"stages {a} and {b} are adjacent and both lost; no neighbour pair remains",
             )
     for p, s in broken:
         depth = plan.pipelines[p].depth
         if plus and depth < MIN_STAGES_PLUS:
             return (
-                "too_few_stages: swap pairs (S1,S2) and (S(L-1),SL) overlap; "
-                f"need at least {MIN_STAGES_PLUS} transformer stages"
+                Code.TOO_FEW_STAGES,
+                "swap pairs (S1,S2) and (S(L-1),SL) overlap; "
+                f"need at least {MIN_STAGES_PLUS} transformer stages",
             )
         if not plus and s in (0, depth - 1):
             return (
-                f"edge_stage: stage {s} is the first/last transformer stage; "
-                "CheckFree needs two live neighbours"
+                Code.EDGE_STAGE,
+                f"stage {s} is the first/last transformer stage; "
+                "CheckFree needs two live neighbours",
             )
     for p, s in broken:
         stages = plan.pipelines[p].stages
         for j in sources(s, len(stages), plus=plus):
             if not same_layout(state.profile, stages[s].layers, stages[j].layers):
                 return (
-                    f"shape_mismatch: stage {s} and neighbour {j} have different parameter "
-                    "layouts; averaging/copy undefined"
+                    Code.SHAPE_MISMATCH,
+                    f"stage {s} and neighbour {j} have different parameter layouts; "
+                    "averaging/copy undefined",
                 )
     return None
 
 
-def plan_checkfree(policy: str, state: ClusterState, *, plus: bool) -> Candidate:
-    """The same plan with every lost stage rebuilt on spares from its neighbours' weights."""
+def plan_checkfree(
+    policy: str,
+    state: ClusterState,
+    *,
+    plus: bool,
+    restart_s: float = RESTART_S,
+    penalty_steps: float = PENALTY_STEPS,
+    embedding_bytes: float = 0.0,
+) -> Candidate:
+    """The same plan with every lost stage rebuilt on spares from its neighbours' weights.
+
+    Every rebuilt layer range costs ``penalty_steps`` extra steps to converge; CheckFree+ keeps
+    ``embedding_bytes`` of embedding and LM head next to its edge stages.
+    """
     assumptions = state.assumptions
     tp = group_size(state.plan)
     # CheckFree+ keeps a copy of the embedding / LM head next to the edge stages (§3, §6.6);
     # score() charges it on every device, an upper bound for the two partner stages it sits on.
-    extra_memory = assumptions.embedding_bytes / tp if plus else 0.0
+    extra_memory = embedding_bytes / tp if plus else 0.0
     broken = broken_stages(state)
     if not broken:
         # the fault hit a device the plan does not use: training never stopped
         return score(policy, state, state.plan, TransitionCost(), extra_memory_bytes=extra_memory)
-    reason = infeasibility(state, broken, plus=plus)
-    if reason is not None:
-        return Candidate.infeasible(policy, reason)
+    broken_rule = infeasibility(state, broken, plus=plus)
+    if broken_rule is not None:
+        return Candidate.declined(policy, *broken_rule)
     try:
         replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, f"no_spare: {exc}")
+        return Candidate.declined(policy, exc.decline, str(exc))
 
     # §6.4: each replacement pulls from the neighbours in its own pipeline, rank by rank, all in
     # parallel (its DP peers hold the same weights after the all-reduce)
@@ -159,48 +188,72 @@ def plan_checkfree(policy: str, state: ClusterState, *, plus: bool) -> Candidate
     try:
         transfer_s = copy_time_s(state.cluster, copies)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, f"link_missing: {exc}")
+        return Candidate.declined(policy, exc.decline, str(exc))
     try:
         step_s = estimate_step_time(state.profile, state.cluster, replacement.plan)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, str(exc))
+        return Candidate.declined(policy, exc.decline, str(exc))
 
     # §6.4-6.5: a rebuilt stage costs k extra steps to converge, once per layer range however
     # many data-parallel replicas were rebuilt with the same coefficients
     rebuilt = len({plan.pipelines[p].stages[s].layers for p, s in broken})
-    k = assumptions.checkfree_plus_penalty_steps if plus else assumptions.checkfree_penalty_steps
     transition = TransitionCost(
+        detection_s=assumptions.detection_s,
         weight_transfer_s=transfer_s,
-        restart_s=assumptions.checkfree_restart_s,
+        restart_s=restart_s,
         # §2: no rollback, training resumes from the current batch; the interrupted step and
         # detection are charged as for every policy, the convergence penalty on top (§6.4)
-        lost_work_s=interrupted_work_s(state) + k * step_s * rebuilt,
+        lost_work_s=interrupted_work_s(state) + penalty_steps * step_s * rebuilt,
     )
     return score(policy, state, replacement.plan, transition, extra_memory_bytes=extra_memory)
 
 
-def swap_step_inflation(assumptions: Assumptions) -> float:
-    """Factor on the steps CheckFree+ needs to converge, failures or not: 1 + s (§6.5).
-
-    The out-of-order swap costs no iteration time (§3, Table 1) but slows convergence (Fig. 5b);
-    the simulator charges it as fewer useful samples per step (``simulator.overheads``).
-    """
-    return 1 + assumptions.checkfree_plus_step_inflation
-
-
-class CheckFreePolicy:
+@dataclass(frozen=True)
+class CheckFreePolicy(SteadyCosts):
     """Rebuild a lost intermediate stage as the gradient-weighted average of its neighbours."""
 
-    name = "checkfree"
+    restart_s: float = RESTART_S  # provision a spare and rejoin (§2, §6.1)
+    penalty_steps: float = PENALTY_STEPS  # extra steps to converge per rebuilt stage (§6.5)
+    name: ClassVar[str] = "checkfree"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [plan_checkfree(self.name, state, plus=False)]
+        return [
+            plan_checkfree(
+                self.name,
+                state,
+                plus=False,
+                restart_s=self.restart_s,
+                penalty_steps=self.penalty_steps,
+            )
+        ]
 
 
-class CheckFreePlusPolicy:
+@dataclass(frozen=True)
+class CheckFreePlusPolicy(SteadyCosts):
     """CheckFree, with edge stages copied from their out-of-order swap partners."""
 
-    name = "checkfree_plus"
+    restart_s: float = RESTART_S
+    penalty_steps: float = PLUS_PENALTY_STEPS  # k_cfp (§6.5), the swap's overhead paid all along
+    # the swap schedule's standing inflation of the steps to converge, s (§6.5, Fig. 5b)
+    step_inflation: float = PLUS_STEP_INFLATION
+    # bytes of the embedding / LM head replicated next door (§3, §6.6); the profile does not
+    # single them out, so 0 unless given
+    embedding_bytes: float = 0.0
+    name: ClassVar[str] = "checkfree_plus"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [plan_checkfree(self.name, state, plus=True)]
+        return [
+            plan_checkfree(
+                self.name,
+                state,
+                plus=True,
+                restart_s=self.restart_s,
+                penalty_steps=self.penalty_steps,
+                embedding_bytes=self.embedding_bytes,
+            )
+        ]
+
+    def convergence_factor(self, state: ClusterState) -> float:
+        """1 + s, failures or not: the out-of-order swap costs no iteration time (§3, Table 1)
+        but slows convergence (Fig. 5b), so each step yields fewer useful samples."""
+        return 1 + self.step_inflation

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
@@ -13,20 +16,25 @@ from controlplane.recovery.model import (
     ModelProfile,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 from controlplane.recovery.policies.replacement import broken_stages, group_size, replace_stages
 
 
-def full_restart_s(assumptions: Assumptions, devices: int) -> float:
+@dataclass(frozen=True)
+class FullRestart:
     """Seconds to recreate every container and rebuild the communication group of N devices.
 
     FlashRecovery §3, §4 Table II, §6 baseline: the group is rebuilt serially and every container
-    starts at once, so the restart grows with N: max(60, 0.244·N − 198) s.
+    starts at once, so the restart grows with N: max(60, 0.244·N − 198) s (a least-squares fit
+    over 1.8k-5.5k devices; the 60 s floor is ours).
     """
-    return max(
-        assumptions.full_restart_min_s,
-        assumptions.full_restart_s_per_device * devices + assumptions.full_restart_offset_s,
-    )
+
+    s_per_device: float = 0.244
+    offset_s: float = -198.0
+    min_s: float = 60.0
+
+    def seconds(self, devices: int) -> float:
+        return max(self.min_s, self.s_per_device * devices + self.offset_s)
 
 
 def checkpoint_load_s(
@@ -66,7 +74,9 @@ def rollback_s(state: ClusterState, step_s: float) -> float:
     return rollback_steps(state.assumptions) * step_s
 
 
-def plan_checkpoint(policy: str, state: ClusterState) -> Candidate:
+def plan_checkpoint(
+    policy: str, state: ClusterState, restart: FullRestart = FullRestart()
+) -> Candidate:
     """Restart the whole job on the same plan, broken groups swapped for spares."""
     broken = broken_stages(state)
     if not broken:
@@ -75,24 +85,32 @@ def plan_checkpoint(policy: str, state: ClusterState) -> Candidate:
     try:
         replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(
-            policy, f"no_spare_device: {exc}; the job would wait for repair"
-        )
+        return Candidate.declined(policy, exc.decline, f"{exc}; the job would wait for repair")
     assumptions = state.assumptions
     # the rolled-back steps were run on the current plan
     step_s = estimate_step_time(state.profile, state.cluster, state.plan)
     transition = TransitionCost(
+        detection_s=assumptions.detection_s,
         weight_transfer_s=checkpoint_load_s(state.profile, replacement.plan, assumptions),
-        restart_s=full_restart_s(assumptions, len(replacement.plan.devices())),
+        restart_s=restart.seconds(len(replacement.plan.devices())),
         lost_work_s=interrupted_work_s(state) + rollback_s(state, step_s),
     )
     return score(policy, state, replacement.plan, transition)
 
 
-class CheckpointPolicy:
-    """Roll back to the last checkpoint and restart the same plan on spare devices."""
+@dataclass(frozen=True)
+class CheckpointPolicy(SteadyCosts):
+    """Roll back to the last checkpoint and restart the same plan on spare devices.
 
-    name = "checkpoint"
+    The restart takes max(restart_min_s, restart_s_per_device·N + restart_offset_s) for N devices
+    (``FullRestart``: FlashRecovery's measurements of a full restart).
+    """
+
+    restart_s_per_device: float = FullRestart.s_per_device
+    restart_offset_s: float = FullRestart.offset_s
+    restart_min_s: float = FullRestart.min_s
+    name: ClassVar[str] = "checkpoint"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [plan_checkpoint(self.name, state)]
+        restart = FullRestart(self.restart_s_per_device, self.restart_offset_s, self.restart_min_s)
+        return [plan_checkpoint(self.name, state, restart)]

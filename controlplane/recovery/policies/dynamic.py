@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from controlplane.recovery.codes import Caveat
+from controlplane.recovery.codes import Caveat, Code, Option
 from controlplane.recovery.estimator.time import gradient_sync_floor_s
 from controlplane.recovery.model import Candidate, ClusterState, Failure, TransitionCost
 from controlplane.recovery.objective import expected_time_to_failure_s
@@ -18,7 +18,7 @@ from controlplane.recovery.planner import (
     search,
     usable_groups,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 
 # Shapes scored with their weight transfer once the fastest is known. The window they come from
 # is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale, and a
@@ -27,10 +27,6 @@ WINDOW_NODE_BUDGET = 50_000
 WINDOW_MIN_SCORED = 8
 # Device groups placed in all, over the shapes scored (each placement costs O(groups)).
 WINDOW_PLACED_GROUPS = 8_192
-
-
-# Reason of a re-plan that was not placed because another option's objective beats its bound.
-DOMINATED = "dominated"
 
 
 def plan_dynamic(
@@ -46,13 +42,14 @@ def plan_dynamic(
     Eq. 8 is at most ``B/t_step × D/(D + fixed costs)``, so once one shape is scored, only shapes
     whose step time (compute plus a floor on gradient sync) could still beat it need their
     Kuhn-Munkres placement. When even the fastest shape's bound is at most ``beat`` (another
-    option's objective), nothing is placed and the candidate is infeasible with a reason
-    starting with ``DOMINATED``. ``include_spares`` lets the re-plan use the spare devices too.
+    option's objective), nothing is placed and the candidate is declined as ``Code.DOMINATED``.
+    ``include_spares`` lets the re-plan use the spare devices too.
     """
     groups = usable_groups(state, include_spares=include_spares)
     if not groups:
-        return Candidate.infeasible(policy, "no healthy device group left")
+        return Candidate.declined(policy, Code.NO_DEVICE_GROUP, "no healthy device group left")
     fixed = TransitionCost(
+        detection_s=state.assumptions.detection_s,
         search_s=state.assumptions.search_s,
         restart_s=state.assumptions.restart_s,
         lost_work_s=interrupted_work_s(state),
@@ -68,8 +65,9 @@ def plan_dynamic(
     # False once a budget cut a search short or a cap left a shape unscored that could win
     complete = first.complete
     if not first.shapes:
-        return Candidate.infeasible(
+        return Candidate.declined(
             policy,
+            Code.NO_FITTING_PLAN,
             f"no plan over {len(groups)} device groups fits memory and the batch "
             f"({state.training.micro_batches} micro-batches)",
         )
@@ -95,9 +93,10 @@ def plan_dynamic(
     floor_s = first.shapes[0].compute_time_s + sync_floor_s
     # an incomplete search has not proven its first shape the fastest, so it bounds nothing
     if complete and bound <= beat:
-        return Candidate.infeasible(
+        return Candidate.declined(
             policy,
-            f"{DOMINATED}: no re-plan beats {beat:.4g} samples/s (a re-plan's step is at least "
+            Code.DOMINATED,
+            f"no re-plan beats {beat:.4g} samples/s (a re-plan's step is at least "
             f"{floor_s:.4g} s, compute plus gradient sync: at most {bound:.4g})",
         )
     scored: dict[PlanShape, Candidate] = {}
@@ -110,12 +109,7 @@ def plan_dynamic(
                 policy,
                 state,
                 plan,
-                TransitionCost(
-                    search_s=fixed.search_s,
-                    weight_transfer_s=placement.transfer_s,
-                    restart_s=fixed.restart_s,
-                    lost_work_s=fixed.lost_work_s,
-                ),
+                replace(fixed, weight_transfer_s=placement.transfer_s),
             )
         return scored[shape]
 
@@ -148,11 +142,33 @@ def plan_dynamic(
     return with_caveat(best, complete)
 
 
-def chosen_among(best: Candidate, options: Iterable[Candidate], note: str) -> Candidate:
-    """The option an adaptive policy chose, with its note and every option's caveats: a choice
-    is only as proven as the searches behind the options it weighed."""
-    caveats = tuple(dict.fromkeys(c for option in options for c in option.caveats))
-    return replace(best, reason=note, caveats=caveats)
+def chosen_among(
+    policy: str, options: Sequence[tuple[Option, Candidate]], describe: str
+) -> Candidate:
+    """The option an adaptive policy chooses by eq. 8, with every option's caveats.
+
+    Ties keep the earlier option, the one that disturbs the job least. A choice is only as proven
+    as the searches behind the options it weighed, so it carries all their caveats. When none is
+    feasible the policy declines with ``Code.NO_OPTION``, its note giving each option's code
+    (a dominated re-plan says nothing more, as something else beat it). ``describe`` names what
+    the policy weighs, for the note.
+    """
+    feasible = [(option, c) for option, c in options if c.feasible]
+    if not feasible:
+        notes = "; ".join(f"{option}: [{c.code}] {c.note}" for option, c in options)
+        return Candidate.declined(policy, Code.NO_OPTION, f"no option applies ({notes})")
+    option, best = max(feasible, key=lambda pair: pair[1].objective)
+    others = ", ".join(
+        f"{name} {c.objective:.4g}" if c.feasible else f"{name} [{c.code}]"
+        for name, c in options
+        if c is not best
+    )
+    caveats = tuple(dict.fromkeys(c for _, candidate in options for c in candidate.caveats))
+    note = (
+        f"{option} chosen by eq. 8 ({best.objective:.4g} samples/s effective) among {describe} "
+        f"(others: {others or 'none'})"
+    )
+    return replace(best, note=note, caveats=caveats, option=option)
 
 
 def with_caveat(candidate: Candidate, complete: bool) -> Candidate:
@@ -163,7 +179,7 @@ def with_caveat(candidate: Candidate, complete: bool) -> Candidate:
 
 
 @dataclass(frozen=True)
-class DynamicPolicy:
+class DynamicPolicy(SteadyCosts):
     """Always re-plan: pay a transition for the fastest step the survivors allow."""
 
     exhaustive: bool = False

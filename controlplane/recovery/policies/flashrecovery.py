@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.model import (
     Candidate,
@@ -12,7 +15,7 @@ from controlplane.recovery.model import (
     FailureKind,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 from controlplane.recovery.policies.replacement import (
     Copy,
     broken_stages,
@@ -20,6 +23,11 @@ from controlplane.recovery.policies.replacement import (
     group_size,
     replace_stages,
 )
+
+# FlashRecovery §6's measured costs: the in-place restart whatever the scale (Table III: 78-116 s,
+# median 90; 85 s plus the restore reproduces it), and the ~1 s setup of the peer-to-peer copy.
+RESTART_S = 85.0
+RESTORE_SETUP_S = 1.0
 
 # a tensor-parallel shard of a layer range: (layers, rank within the group)
 Shard = tuple[tuple[int, int], int]
@@ -42,7 +50,14 @@ def shard_holders(state: ClusterState) -> dict[Shard, list[int]]:
     return holders
 
 
-def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Candidate:
+def plan_flashrecovery(
+    policy: str,
+    state: ClusterState,
+    failure: Failure,
+    *,
+    restart_s: float = RESTART_S,
+    restore_setup_s: float = RESTORE_SETUP_S,
+) -> Candidate:
     """The same plan on spare groups, each new device filled from a replica of its shard.
 
     Checks run in FlashRecovery §6's order (runtime support is assumed of every Pitstop job):
@@ -55,7 +70,7 @@ def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Ca
     try:
         replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, f"no_spare_device: {exc}")
+        return Candidate.declined(policy, exc.decline, str(exc))
     plan = state.plan
     tp = group_size(plan)
     holders = shard_holders(state)
@@ -63,19 +78,20 @@ def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Ca
         layers = plan.pipelines[p].stages[s].layers
         for rank in range(tp):
             if not holders.get((layers, rank)):
-                return Candidate.infeasible(
+                return Candidate.declined(
                     policy,
-                    f"no_dp_replica: layers {list(layers)} (stage {s} of pipeline {p}) have no "
+                    Code.NO_LIVE_REPLICA,
+                    f"layers {list(layers)} (stage {s} of pipeline {p}) have no "
                     f"live data-parallel replica of tensor-parallel rank {rank}; "
                     "restore from a checkpoint",
                 )
     if failure.kind is FailureKind.NAN:
         # FlashRecovery §5: a NaN may already have reached every replica through the gradient
         # all-reduce, and copying it would restore the fault.
-        return Candidate.infeasible(
+        return Candidate.declined(
             policy,
-            "untrusted_state: a NaN fault may have spread to the data-parallel replicas; "
-            "restore from a checkpoint",
+            Code.UNTRUSTED_STATE,
+            "a NaN fault may have spread to the data-parallel replicas; restore from a checkpoint",
         )
 
     # FlashRecovery §3: each replaced rank pulls from a peer with the same (stage, TP rank);
@@ -96,15 +112,16 @@ def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Ca
     try:
         restore_s = copy_time_s(cluster, copies)
     except InfeasiblePlan as exc:
-        return Candidate.infeasible(policy, f"link_missing: {exc}")
+        return Candidate.declined(policy, exc.decline, str(exc))
     assumptions = state.assumptions
     transition = TransitionCost(
+        detection_s=assumptions.detection_s,
         # FlashRecovery §6: T_restore = max_r bytes_state(r)·k / bw(src(r) → r) + ~1 s setup,
         # bytes_state = weights + optimizer state (m_p + m_o; gradients are not copied)
-        weight_transfer_s=restore_s + assumptions.flashrecovery_restore_setup_s,
+        weight_transfer_s=restore_s + restore_setup_s,
         # FlashRecovery §3, §6: survivors reset in place, only the new ranks start, the ranktable
         # is read from a shared file: the restart does not grow with the number of devices
-        restart_s=assumptions.flashrecovery_restart_s,
+        restart_s=restart_s,
         # FlashRecovery §3: at most the interrupted step is redone (k0 = 0, no checkpoint);
         # detection and that step are charged as for every policy
         lost_work_s=interrupted_work_s(state),
@@ -112,10 +129,21 @@ def plan_flashrecovery(policy: str, state: ClusterState, failure: Failure) -> Ca
     return score(policy, state, replacement.plan, transition)
 
 
-class FlashRecoveryPolicy:
+@dataclass(frozen=True)
+class FlashRecoveryPolicy(SteadyCosts):
     """Swap failed groups for spares in place and restore them from a live replica in one step."""
 
-    name = "flashrecovery"
+    restart_s: float = RESTART_S  # in-place restart (FlashRecovery §6)
+    restore_setup_s: float = RESTORE_SETUP_S  # setup of the peer-to-peer state copy
+    name: ClassVar[str] = "flashrecovery"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [plan_flashrecovery(self.name, state, failure)]
+        return [
+            plan_flashrecovery(
+                self.name,
+                state,
+                failure,
+                restart_s=self.restart_s,
+                restore_setup_s=self.restore_setup_s,
+            )
+        ]

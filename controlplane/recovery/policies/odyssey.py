@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controlplane.recovery.codes import Option
 from controlplane.recovery.model import Candidate, ClusterState, Failure
-from controlplane.recovery.policies.dynamic import DOMINATED, chosen_among, plan_dynamic
+from controlplane.recovery.policies.base import SteadyCosts
+from controlplane.recovery.policies.dynamic import chosen_among, plan_dynamic
 from controlplane.recovery.policies.rerouting import plan_rerouting
 
 
@@ -29,29 +31,12 @@ def choose_family(
     replan = plan_dynamic(
         policy, state, exhaustive=exhaustive, beat=beat, include_spares=use_spares
     )
-    options = [rerouting, replan]
-    feasible = [c for c in options if c.feasible]
-    if not feasible:
-        reasons = "; ".join(
-            f"{c.plan.family if c.plan else family}: {c.reason}"
-            for c, family in zip(options, ("rerouting", "dynamic"), strict=True)
-        )
-        return Candidate.infeasible(policy, reasons)
-    best = max(feasible, key=lambda c: c.objective)
-    other = next(c for c in options if c is not best)
-    family = best.plan.family.value if best.plan else "?"
-    if other.feasible:
-        over = f"{other.objective:.4g}"
-    elif other.reason.startswith(DOMINATED):
-        over = f"re-planning, {other.reason}"
-    else:
-        over = f"an infeasible option: {other.reason}"
-    note = f"{family} chosen by eq. 8 ({best.objective:.4g} samples/s effective) over {over}"
-    return chosen_among(best, options, note)
+    options = [(Option.REROUTE, rerouting), (Option.REPLAN, replan)]
+    return chosen_among(policy, options, "rerouting and re-planning")
 
 
 @dataclass(frozen=True)
-class OdysseyPolicy:
+class OdysseyPolicy(SteadyCosts):
     """Adaptive selection between data rerouting and dynamic parallelism at every failure.
 
     ``use_spares`` lets the re-plan use spare devices, so that Odyssey can be compared with
@@ -76,8 +61,3 @@ class OdysseyPolicy:
                 use_spares=self.use_spares,
             )
         ]
-
-
-def odyssey_with_spares(**options: bool) -> OdysseyPolicy:
-    """Odyssey whose re-plan may use the spares (the registry's ``odyssey_spares``)."""
-    return OdysseyPolicy(use_spares=True, **options)

@@ -9,6 +9,7 @@ from typing import ClassVar
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from controlplane.recovery.codes import Code, Declined
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.time import cached_pipeline_time, p2p_times, stage_times
 from controlplane.recovery.model import (
@@ -24,7 +25,7 @@ from controlplane.recovery.model import (
     Training,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 from controlplane.recovery.policies.replacement import group_size
 from controlplane.recovery.restorer import (
     Placement,
@@ -69,16 +70,17 @@ class NodeLayout:
         return devices // self.node_devices
 
 
-def node_layout(cluster: Cluster, tp: int) -> NodeLayout | str:
+def node_layout(cluster: Cluster, tp: int) -> NodeLayout | Declined:
     """The layout for a cluster and TP degree, or why Oobleck's node model does not fit it."""
     per_node = cluster.devices_per_node
     if tp <= per_node:
         return NodeLayout(tp=tp, node_devices=per_node, stages_per_node=per_node // tp)
     if tp % per_node == 0:
         return NodeLayout(tp=tp, node_devices=tp, stages_per_node=1)
-    return (
-        f"oobleck_layout: a tensor-parallel group of {tp} devices neither fits in nor tiles "
-        f"nodes of {per_node}; Oobleck's stages never span part of a node"
+    return Declined(
+        Code.NO_FITTING_PLAN,
+        f"a tensor-parallel group of {tp} devices neither fits in nor tiles nodes of "
+        f"{per_node}; Oobleck's stages never span part of a node",
     )
 
 
@@ -146,7 +148,9 @@ def _merge(pipelines: list[list[int]], min_nodes: int) -> list[list[int]]:
             elif full:
                 merged.extend(full.pop(0))
             else:
-                raise InfeasiblePlan(f"{len(merged)} nodes left cannot form a pipeline")
+                raise InfeasiblePlan(
+                    f"{len(merged)} nodes left cannot form a pipeline", decline=Code.TOO_FEW_NODES
+                )
         full.append(merged)
     return full
 
@@ -231,7 +235,7 @@ def _finish(
     training: Training,
     old_plan: ExecutionPlan | None,
     drafts: Sequence[_Draft],
-) -> tuple[ExecutionPlan, Placement] | str:
+) -> tuple[ExecutionPlan, Placement] | Declined:
     """Share the batch by water-filling, split each template pipeline for its share, and cost the
     weight copy (oobleck.md §7).
 
@@ -257,10 +261,10 @@ def _finish(
 
     shares = water_fill(training.micro_batches, [step_s(d) for d in drafts])
     if shares is None:
-        return (
-            f"batch_too_small: {training.micro_batches} micro-batches cannot cover "
-            f"{len(drafts)} pipelines; nearest distributable global batch "
-            f"{len(drafts) * training.micro_batch}"
+        return Declined(
+            Code.NO_FITTING_PLAN,
+            f"{training.micro_batches} micro-batches cannot cover {len(drafts)} pipelines; "
+            f"nearest distributable global batch {len(drafts) * training.micro_batch}",
         )
     plan = ExecutionPlan(
         pipelines=tuple(
@@ -295,11 +299,11 @@ def _split_for_share(
     return tuple(replace(s, layers=r) for s, r in zip(stages, split, strict=True))
 
 
-def _layer_lost(ranges: Sequence[LayerRange]) -> str:
+def _layer_lost(ranges: Sequence[LayerRange]) -> Declined:
     listed = ", ".join(f"[{a}, {b})" for a, b in ranges)
-    return (
-        f"layer_lost: no surviving replica of layers {listed}; state lost (>f failures on one "
-        "stage)"
+    return Declined(
+        Code.NO_LIVE_REPLICA,
+        f"no surviving replica of layers {listed}; state lost (>f failures on one stage)",
     )
 
 
@@ -324,21 +328,22 @@ def reinstantiate(
     nodes: Sequence[int],
     f: int,
     old_plan: ExecutionPlan | None = None,
-) -> tuple[ExecutionPlan, Placement] | str:
+) -> tuple[ExecutionPlan, Placement] | Declined:
     """Oobleck §4.2: the best set of ≥ f+1 template pipelines over ``nodes``, placed so that the
-    fewest bytes move from ``old_plan``; a reason string when none exists."""
+    fewest bytes move from ``old_plan``; why not when none exists."""
     fill, period = _template_model(profile, templates)
     chosen = best_instantiation(fill, period, len(nodes), f, training.micro_batches)
     if chosen is None:
         if training.micro_batches < f + 1:
-            return (
-                f"batch_too_small: {training.micro_batches} micro-batches cannot cover "
-                f"{f + 1} pipelines; nearest distributable global batch "
-                f"{(f + 1) * training.micro_batch}"
+            return Declined(
+                Code.NO_FITTING_PLAN,
+                f"{training.micro_batches} micro-batches cannot cover {f + 1} pipelines; "
+                f"nearest distributable global batch {(f + 1) * training.micro_batch}",
             )
-        return (
-            f"no_template: no set of ≥ {f + 1} pipeline templates (sizes "
-            f"{list(templates.sizes)}) uses the {len(nodes)} healthy nodes"
+        return Declined(
+            Code.TOO_FEW_NODES,
+            f"no set of ≥ {f + 1} pipeline templates (sizes {list(templates.sizes)}) uses the "
+            f"{len(nodes)} healthy nodes",
         )
     sizes, _ = chosen
     picked = [templates.get(n) for n in sizes]
@@ -356,24 +361,25 @@ def instantiate(
     Raises InfeasiblePlan with the reason when the cluster cannot hold f + 1 pipelines.
     """
     layout = node_layout(cluster, tp)
-    if isinstance(layout, str):
-        raise InfeasiblePlan(layout)
+    if isinstance(layout, Declined):
+        raise InfeasiblePlan(layout.note, decline=layout.code)
     nodes = layout.whole_nodes(cluster.devices)
     templates = build_templates(
         profile, nodes, layout.stages_per_node, f, tp, cluster.device_memory_bytes
     )
     if templates is None:
-        raise InfeasiblePlan(_template_oom(profile, layout))
+        oom = _template_oom(profile, layout)
+        raise InfeasiblePlan(oom.note, decline=oom.code)
     found = reinstantiate(profile, cluster, training, layout, templates, range(nodes), f)
-    if isinstance(found, str):
-        raise InfeasiblePlan(found)
+    if isinstance(found, Declined):
+        raise InfeasiblePlan(found.note, decline=found.code)
     return found[0]
 
 
-def _template_oom(profile: ModelProfile, layout: NodeLayout) -> str:
-    return (
-        f"template_oom: no template with 1..{profile.layers // layout.stages_per_node} nodes "
-        "fits device memory"
+def _template_oom(profile: ModelProfile, layout: NodeLayout) -> Declined:
+    return Declined(
+        Code.OUT_OF_MEMORY,
+        f"no template with 1..{profile.layers // layout.stages_per_node} nodes fits device memory",
     )
 
 
@@ -387,17 +393,27 @@ def _plan_nodes(plan: ExecutionPlan, layout: NodeLayout) -> list[NodeList]:
     ]
 
 
-class OobleckPolicy:
-    """Oobleck: reinstantiate, borrow or merge the damaged pipelines from templates (§5)."""
+@dataclass(frozen=True)
+class OobleckPolicy(SteadyCosts):
+    """Oobleck: reinstantiate, borrow or merge the damaged pipelines from templates (§5).
 
+    ``f``: failures to tolerate, f + 1 pipelines kept (Oobleck §3, §7.1; the paper leaves f
+    unstated, its code defaults to 3). ``regroup_s``: the communication teardown and rebuild
+    after a repair; the paper reports no reconfiguration time, so 2 s, the low end of its
+    artifact's 2-10 s per failure. ``replan``: also propose the best re-instantiation (§4.2).
+    """
+
+    f: int = 1
+    regroup_s: float = 2.0
+    replan: bool = False
     name: ClassVar[str] = "oobleck"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
         profile, cluster, plan = state.profile, state.cluster, state.plan
-        f = state.assumptions.oobleck_f
+        f = self.f
         layout = node_layout(cluster, group_size(plan))
-        if isinstance(layout, str):
-            return [Candidate.infeasible(self.name, layout)]
+        if isinstance(layout, Declined):
+            return [Candidate.declined(self.name, *layout)]
         templates = build_templates(
             profile,
             layout.whole_nodes(cluster.devices),
@@ -407,7 +423,7 @@ class OobleckPolicy:
             cluster.device_memory_bytes,
         )
         if templates is None:
-            return [Candidate.infeasible(self.name, _template_oom(profile, layout))]
+            return [Candidate.declined(self.name, *_template_oom(profile, layout))]
 
         # §8 item 10: a node with any failed device is lost as a whole
         lost = {layout.node_of(d) for d in state.failed}
@@ -431,16 +447,17 @@ class OobleckPolicy:
         healthy = len(kept) + len(joiners)
         if healthy < (f + 1) * templates.n0:
             return [
-                Candidate.infeasible(
+                Candidate.declined(
                     self.name,
-                    f"below_min_nodes: {healthy} healthy nodes < (f+1)·n0 = "
+                    Code.TOO_FEW_NODES,
+                    f"{healthy} healthy nodes < (f+1)·n0 = "
                     f"{(f + 1) * templates.n0}; Oobleck saves progress and stops until a "
                     "checkpoint restart",
                 )
             ]
         missing = _unheld_layers(profile.layers, plan, layout, set(kept))
         if missing:
-            return [Candidate.infeasible(self.name, _layer_lost(missing))]
+            return [Candidate.declined(self.name, *_layer_lost(missing))]
 
         notes = []
         hit = {layout.node_of(d) for d in failure.devices}
@@ -456,15 +473,16 @@ class OobleckPolicy:
         repaired = self._repair(state, layout, templates, pipelines, damaged, dropped)
         if isinstance(repaired, tuple):
             candidates.append(self._score(state, *repaired, notes=notes))
-        if isinstance(repaired, str) or state.assumptions.oobleck_replan:
+        if isinstance(repaired, str) or self.replan:
             why = [] if not isinstance(repaired, str) else [f"re-instantiated: {repaired}"]
             again = reinstantiate(
                 profile, cluster, state.training, layout, templates, kept + joiners, f, plan
             )
-            if isinstance(again, str):
+            if isinstance(again, Declined):
+                note = again.note
                 if isinstance(repaired, str):
-                    again = f"{again} (local repair: {repaired})"
-                candidates.append(Candidate.infeasible(self.name, again))
+                    note = f"{note} (local repair: {repaired})"
+                candidates.append(Candidate.declined(self.name, again.code, note))
             else:
                 candidates.append(self._score(state, *again, notes=[*why, *notes]))
         return candidates
@@ -478,8 +496,9 @@ class OobleckPolicy:
         damaged: list[bool],
         lost: set[int],
     ) -> tuple[ExecutionPlan, Placement] | str:
-        """§5.1 on the current pipelines; a reason string when the paper's repair falls short."""
-        f = state.assumptions.oobleck_f
+        """§5.1 on the current pipelines; why not when the paper's repair falls short (the
+        re-instantiation is tried next)."""
+        f = self.f
         flat = [n for nodes in pipelines for n in nodes]
         if len(flat) != len(set(flat)):
             return "pipelines of the current plan share nodes; Oobleck repairs whole-node pipelines"
@@ -509,7 +528,8 @@ class OobleckPolicy:
                     f"pipeline {index}"
                 )
             drafts.extend(_assign_nodes(state.profile, layout, state.plan, nodes, [template]))
-        return _finish(state.profile, state.cluster, state.training, state.plan, drafts)
+        done = _finish(state.profile, state.cluster, state.training, state.plan, drafts)
+        return done.note if isinstance(done, Declined) else done
 
     def _score(
         self,
@@ -520,17 +540,18 @@ class OobleckPolicy:
         notes: Sequence[str],
     ) -> Candidate:
         transition = TransitionCost(
+            detection_s=state.assumptions.detection_s,
             # Repair and batch split take milliseconds at fault time (templates were built at
             # job start); charged like every policy's search so candidates stay deterministic.
             search_s=state.assumptions.search_s,
             weight_transfer_s=placement.transfer_s,
-            restart_s=state.assumptions.oobleck_regroup_s,
+            restart_s=self.regroup_s,
             # §7.4.2: at most the interrupted iteration is lost
             lost_work_s=interrupted_work_s(state),
         )
         candidate = score(self.name, state, plan, transition)
         text = "; ".join([*notes, "batch split by water-filling, not eq. 6 (oobleck.md §7)"])
-        return replace(candidate, reason=text) if candidate.feasible else candidate
+        return replace(candidate, note=text) if candidate.feasible else candidate
 
 
 def _unheld_layers(

@@ -5,21 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from controlplane.recovery.codes import Option
 from controlplane.recovery.model import Candidate, ClusterState, Failure
-from controlplane.recovery.policies.dynamic import DOMINATED, chosen_among, plan_dynamic
-from controlplane.recovery.policies.flashrecovery import plan_flashrecovery
+from controlplane.recovery.policies.base import SteadyCosts
+from controlplane.recovery.policies.dynamic import chosen_among, plan_dynamic
+from controlplane.recovery.policies.flashrecovery import (
+    RESTART_S,
+    RESTORE_SETUP_S,
+    plan_flashrecovery,
+)
 from controlplane.recovery.policies.rerouting import plan_rerouting
 
-# The options, as a chosen candidate's reason starts: which one eq. 8 picked at a failure.
-REROUTE = "rerouting"
-SWAP = "swap onto spares"
-REPLAN = "re-plan over survivors"
-REPLAN_WITH_SPARES = "re-plan with spares"
-OPTIONS = (REROUTE, SWAP, REPLAN, REPLAN_WITH_SPARES)
+# What pitstop weighs at a failure; the chosen candidate names its option (``Candidate.option``).
+OPTIONS = (Option.REROUTE, Option.SWAP, Option.REPLAN_WITH_SPARES, Option.REPLAN)
 
 
 def choose_any_family(
-    policy: str, state: ClusterState, failure: Failure, *, exhaustive: bool = False
+    policy: str,
+    state: ClusterState,
+    failure: Failure,
+    *,
+    exhaustive: bool = False,
+    swap_restart_s: float = RESTART_S,
+    swap_restore_setup_s: float = RESTORE_SETUP_S,
 ) -> Candidate:
     """The best of four options by Odyssey's own eq. 8, where Odyssey weighs only two.
 
@@ -40,43 +48,55 @@ def choose_any_family(
     cut of ``plan_dynamic``).
     """
     options = [
-        (REROUTE, plan_rerouting(policy, state)),
-        (SWAP, plan_flashrecovery(policy, state, failure)),
+        (Option.REROUTE, plan_rerouting(policy, state)),
+        (
+            Option.SWAP,
+            plan_flashrecovery(
+                policy,
+                state,
+                failure,
+                restart_s=swap_restart_s,
+                restore_setup_s=swap_restore_setup_s,
+            ),
+        ),
     ]
     idle_spares = set(state.cluster.spare_ids) & (state.healthy - state.plan.devices())
-    replans = [(REPLAN_WITH_SPARES, True)] if idle_spares else []
-    replans.append((REPLAN, False))
+    replans = [(Option.REPLAN_WITH_SPARES, True)] if idle_spares else []
+    replans.append((Option.REPLAN, False))
     for label, include_spares in replans:
         beat = 0.0 if exhaustive else best_objective(options)
         replan = plan_dynamic(
             policy, state, exhaustive=exhaustive, beat=beat, include_spares=include_spares
         )
         options.append((label, replan))
-    feasible = [(label, c) for label, c in options if c.feasible]
-    if not feasible:
-        reasons = "; ".join(c.reason for _, c in options if not c.reason.startswith(DOMINATED))
-        return Candidate.infeasible(policy, reasons or "no option is feasible")
-    # ties keep the earlier option, the one that disturbs the job least
-    label, best = max(feasible, key=lambda option: option[1].objective)
-    others = ", ".join(f"{name} {c.objective:.4g}" for name, c in feasible if c is not best)
-    note = (
-        f"{label} chosen by eq. 8 ({best.objective:.4g} samples/s effective) over "
-        f"{len(options) - 1} other options (feasible: {others or 'none'})"
-    )
-    return chosen_among(best, (c for _, c in options), note)
+    return chosen_among(policy, options, "rerouting, swapping onto spares and re-planning")
 
 
-def best_objective(options: list[tuple[str, Candidate]]) -> float:
+def best_objective(options: list[tuple[Option, Candidate]]) -> float:
     """The highest eq. 8 objective among the feasible options (0 when none is)."""
     return max((c.objective for _, c in options if c.feasible), default=0.0)
 
 
 @dataclass(frozen=True)
-class PitstopPolicy:
-    """Odyssey's eq. 8 applied to rerouting, re-planning with or without spares, and swapping."""
+class PitstopPolicy(SteadyCosts):
+    """Odyssey's eq. 8 applied to rerouting, re-planning with or without spares, and swapping.
+
+    The swap costs what FlashRecovery's do (``flashrecovery``'s options of the same names).
+    """
 
     exhaustive: bool = False
+    swap_restart_s: float = RESTART_S
+    swap_restore_setup_s: float = RESTORE_SETUP_S
     name: ClassVar[str] = "pitstop"
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        return [choose_any_family(self.name, state, failure, exhaustive=self.exhaustive)]
+        return [
+            choose_any_family(
+                self.name,
+                state,
+                failure,
+                exhaustive=self.exhaustive,
+                swap_restart_s=self.swap_restart_s,
+                swap_restore_setup_s=self.swap_restore_setup_s,
+            )
+        ]

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.model import (
     Cluster,
@@ -65,7 +66,7 @@ def pick_spare_groups(
     """
     free = sorted(spares)
     if len(free) < count * tp:
-        raise InfeasiblePlan(spare_shortage(count, tp, len(free)))
+        raise InfeasiblePlan(spare_shortage(count, tp, len(free)), decline=Code.NO_SPARE)
     by_node: dict[int, list[int]] = {}
     for device in free:
         by_node.setdefault(cluster.node_of(device), []).append(device)
@@ -146,7 +147,9 @@ def copy_time_s(cluster: Cluster, copies: Iterable[Copy]) -> float:
     for c in copies:
         bandwidth = cluster.bandwidth_bytes_per_s(c.source, c.target)
         if bandwidth <= 0:
-            raise InfeasiblePlan(f"no usable link from device {c.source} to spare {c.target}")
+            raise InfeasiblePlan(
+                f"no usable link from device {c.source} to spare {c.target}", decline=Code.NO_LINK
+            )
         if math.isinf(bandwidth):
             continue
         sharing = max(sends[c.source], receives[c.target])

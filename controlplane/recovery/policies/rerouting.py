@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.model import (
     Candidate,
     ClusterState,
@@ -12,7 +13,7 @@ from controlplane.recovery.model import (
     Stage,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 
 
 def reroute(plan: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | str:
@@ -46,12 +47,15 @@ def reroute(plan: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | str:
 def plan_rerouting(policy: str, state: ClusterState) -> Candidate:
     plan = reroute(state.plan, state.failed)
     if isinstance(plan, str):
-        return Candidate.infeasible(policy, plan)
+        return Candidate.declined(policy, Code.NO_LIVE_REPLICA, plan)
     # Odyssey §IV-A: rerouting switches on the fly, so only the interrupted step is lost.
-    return score(policy, state, plan, TransitionCost(lost_work_s=interrupted_work_s(state)))
+    cost = TransitionCost(
+        detection_s=state.assumptions.detection_s, lost_work_s=interrupted_work_s(state)
+    )
+    return score(policy, state, plan, cost)
 
 
-class ReroutingPolicy:
+class ReroutingPolicy(SteadyCosts):
     """Always reroute: no transition, a slower step after every failure (Odyssey eq. 12/13)."""
 
     name = "rerouting"

@@ -12,6 +12,7 @@ import simpy
 
 from controlplane.recovery import policies
 from controlplane.recovery.causes import Cause
+from controlplane.recovery.decision import decide
 from controlplane.recovery.model import (
     Candidate,
     ClusterState,
@@ -19,7 +20,6 @@ from controlplane.recovery.model import (
     FailureKind,
     TransitionCost,
 )
-from controlplane.recovery.objective import best_index
 from controlplane.recovery.policies.base import Policy, interrupted_work_s
 from controlplane.recovery.policies.checkpoint import CheckpointPolicy
 from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
@@ -49,20 +49,16 @@ def trace_events(trace: Trace) -> list[tuple[float, int, int, TraceFailure]]:
     return events
 
 
-def transition_pieces(state: ClusterState, cost: TransitionCost) -> list[tuple[Cause, float]]:
-    """A transition split for the timeline, in the order it happens.
-
-    Every policy counts detection inside its lost work (policies.base.interrupted_work_s: the
-    fault goes unnoticed for detection_s, then the interrupted step is redone), so detection is
-    cut out of it and shown first; lost work comes last, as the redone steps run after restart.
-    """
-    detection = min(state.assumptions.detection_s, cost.lost_work_s)
+def transition_pieces(cost: TransitionCost) -> list[tuple[Cause, float]]:
+    """A transition split for the timeline, in the order it happens: the fault goes unnoticed,
+    then the plan is searched, weights move and the job restarts; lost work comes last, as the
+    redone steps run after the restart."""
     return [
-        (Cause.DETECTION, detection),
+        (Cause.DETECTION, cost.detection_s),
         (Cause.PLANNING, cost.search_s),
         (Cause.WEIGHT_TRANSFER, cost.weight_transfer_s),
         (Cause.RESTART, cost.restart_s),
-        (Cause.LOST_WORK, cost.lost_work_s - detection),
+        (Cause.LOST_WORK, cost.lost_work_s),
     ]
 
 
@@ -85,8 +81,8 @@ class _Job:
         self.policy = policy
         self.state = state
         self.plan_devices = state.plan.devices()
-        self.step_s = starting_step_s(self.name, state)
-        self.effective_s = effective_step_s(self.name, state, self.step_s)
+        self.step_s = starting_step_s(self.policy, state)
+        self.effective_s = effective_step_s(self.policy, state, self.step_s)
         self.mode = _Mode.RUNNING
         self.since = 0.0
         self.steps = 0.0
@@ -229,23 +225,25 @@ class _Job:
         )
 
     def _decide(self, failure: Failure, *, after_wait: bool) -> Candidate | None:
-        candidates = self.policy.propose(self.state, failure)
-        index = best_index(candidates)
-        if index is None:
+        decision = decide(self.state, failure, policies=[self.policy])
+        if decision.best is None:
             if not after_wait:  # one infeasible state per wait, however many repairs it sees
-                reasons = "; ".join(dict.fromkeys(c.reason for c in candidates))
+                notes = "; ".join(
+                    dict.fromkeys(f"[{c.code}] {c.note}" for c in decision.candidates)
+                )
                 self.recoveries.append(
                     Recovery(
                         at_s=self.env.now,
                         devices=tuple(sorted(failure.devices)),
                         kind=failure.kind.value,
                         feasible=False,
-                        reason=reasons,
+                        code=decision.candidates[0].code,
+                        note=notes,
                         step_before_s=self.step_s,
                     )
                 )
             return None
-        return candidates[index]
+        return decision.best
 
     def _start_transition(
         self, candidate: Candidate, failure: Failure, *, after_wait: bool
@@ -258,10 +256,11 @@ class _Job:
             # the stopped job still restarts and redoes its interrupted step, and a checkpoint
             # restart the steps since its checkpoint (docs/simulator.md).
             cost = TransitionCost(
+                detection_s=self.state.assumptions.detection_s,
                 restart_s=self.state.assumptions.restart_s,
                 lost_work_s=interrupted_work_s(self.state) + self._rollback_s(),
             )
-        pieces = transition_pieces(self.state, cost)
+        pieces = transition_pieces(cost)
         plan_devices = candidate.plan.devices()
         now = self.env.now
         self.recoveries.append(
@@ -270,7 +269,9 @@ class _Job:
                 devices=tuple(sorted(failure.devices)),
                 kind=failure.kind.value,
                 feasible=True,
-                reason=candidate.reason,
+                code=candidate.code,
+                note=candidate.note,
+                option=candidate.option,
                 family=candidate.plan.family.value,
                 transition=tuple(pieces),
                 step_before_s=self.step_s,
@@ -296,7 +297,7 @@ class _Job:
         )
         self.plan_devices = plan_devices
         self.step_s = candidate.est_step_time_s
-        self.effective_s = effective_step_s(self.name, self.state, self.step_s)
+        self.effective_s = effective_step_s(self.policy, self.state, self.step_s)
         self.mode = _Mode.TRANSITION
         t = now
         self.redo_window_s = (math.inf, math.inf)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from controlplane.recovery import policies
+from controlplane.recovery.decision import PolicyOptions, resolve
 from controlplane.recovery.errors import InvalidScenario
 from controlplane.recovery.model import ClusterState
+from controlplane.recovery.policies.base import Policy
 from controlplane.recovery.simulator.engine import simulate
 from controlplane.recovery.simulator.ideal import IDEAL, ideal_run
 from controlplane.recovery.simulator.timeline import Run
@@ -21,13 +22,15 @@ Progress = Callable[[str, int, float], None]
 @dataclass(frozen=True, slots=True)
 class Experiment:
     """What to compare: ``policies`` (the first is the reference of the ratios) over ``seeds``
-    traces, each drawn from ``trace`` with seed ``base_seed + i``, or one replayed trace."""
+    traces, each drawn from ``trace`` with seed ``base_seed + i``, or one replayed trace.
+    ``options`` go to the named policies (a scenario's ``policies`` section)."""
 
     hours: float
     policies: tuple[str, ...]
     trace: TraceSpec | Trace
     seeds: int = 1
     base_seed: int = 0
+    options: PolicyOptions = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.hours > 0:
@@ -38,8 +41,12 @@ class Experiment:
             raise InvalidScenario("names no policy", field="policies")
         if len(set(self.policies)) != len(self.policies):
             raise InvalidScenario("names a policy twice", field="policies")
-        for name in self.policies:
-            policies.get(name)  # an unknown name fails here, listing the known ones
+        # an unknown name or option fails here, listing the known ones
+        self.build_policies()
+
+    def build_policies(self) -> list[Policy]:
+        """The policies to compare, in order, built with their options."""
+        return resolve(self.policies, self.options)
 
     @property
     def horizon_s(self) -> float:
@@ -59,6 +66,7 @@ class Experiment:
         return {
             "hours": self.hours,
             "policies": list(self.policies),
+            "options": {name: dict(given) for name, given in self.options.items()},
             "seeds": self.seeds,
             "base_seed": self.base_seed,
             "trace": trace,
@@ -82,15 +90,16 @@ def run_experiment(
     """Runs per policy (in seed order) and the trace of each seed."""
     state = planning_rate(state, experiment)
     runs: dict[str, list[Run]] = {name: [] for name in experiment.policies}
+    built = experiment.build_policies()
     traces = []
     for i in range(experiment.seeds):
         seed = experiment.base_seed + i
         trace = experiment.trace_for(state, seed)
         traces.append(trace)
-        for name in experiment.policies:
+        for name, policy in zip(experiment.policies, built, strict=True):
             tick = None if progress is None else _ticker(progress, name, seed)
             runs[name].append(
-                simulate(state, name, trace, experiment.horizon_s, seed=seed, progress=tick)
+                simulate(state, policy, trace, experiment.horizon_s, seed=seed, progress=tick)
             )
     return runs, traces
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from controlplane.recovery.causes import Cause
+from controlplane.recovery.codes import Code
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.estimator.time import gradient_sync_floor_s
 from controlplane.recovery.model import (
@@ -193,7 +194,8 @@ def ideal_run(
                 devices=tuple(sorted(failure.devices)),
                 kind=failure.kind.value,
                 feasible=math.isfinite(new_step_s),
-                reason="no plan fits the healthy devices"
+                code=Code.NO_FITTING_PLAN if math.isinf(new_step_s) else Code.OK,
+                note="no plan fits the healthy devices"
                 if math.isinf(new_step_s)
                 else "the fastest plan on the healthy devices",
                 family=plan.family.value if math.isfinite(new_step_s) else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.recovery.causes import DOWN_CAUSES, Cause
+from controlplane.recovery.codes import Code, Option
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +35,18 @@ class Recovery:
     """One decision: the failure that asked for it, the candidate applied and what it cost.
 
     ``feasible`` is False for a decision that found no candidate (the job then waits); a later
-    decision after a repair is a new record with ``after_wait`` set.
+    decision after a repair is a new record with ``after_wait`` set. ``code``, ``note`` and
+    ``option`` are the applied candidate's (for a failed decision, the first candidate's code and
+    every candidate's note).
     """
 
     at_s: float
     devices: tuple[int, ...]
     kind: str
     feasible: bool
-    reason: str
+    code: Code
+    note: str
+    option: Option | None = None
     family: str | None = None
     transition: tuple[tuple[Cause, float], ...] = ()
     step_before_s: float = math.inf
@@ -59,7 +64,9 @@ class Recovery:
             "devices": list(self.devices),
             "kind": self.kind,
             "feasible": self.feasible,
-            "reason": self.reason,
+            "code": str(self.code),
+            "note": self.note,
+            "option": None if self.option is None else str(self.option),
             "family": self.family,
             "transition_s": {cause.value: seconds for cause, seconds in self.transition},
             "step_before_s": _finite(self.step_before_s),

@@ -40,7 +40,7 @@ def test_registered_under_their_names() -> None:
 def test_intermediate_stage_is_rebuilt_on_spares(name: str) -> None:
     state = grid_state(layers=12, pp=6, dp=1, tp=2, spares=2, failed=[5])
     candidate = propose(name, state)
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     assert_replaced_on_spares(state, candidate)
     assert candidate.plan is not None
     assert candidate.plan.pipelines[0].stages[2].devices == (12, 13)
@@ -51,8 +51,8 @@ def test_without_spares_is_infeasible_and_names_the_shortage(name: str) -> None:
     state = grid_state(layers=12, pp=6, dp=1, tp=2, spares=1, failed=[5])
     candidate = propose(name, state)
     assert not candidate.feasible
-    assert candidate.reason.startswith("no_spare")
-    assert "needs 1 spare group of 2 devices, 0 available" in candidate.reason
+    assert candidate.code == "no_spare"
+    assert "needs 1 spare group of 2 devices, 0 available" in candidate.note
 
 
 @pytest.mark.parametrize("last", [False, True])
@@ -60,9 +60,9 @@ def test_edge_stage_only_recoverable_by_checkfree_plus(last: bool) -> None:
     state = grid_state(layers=12, pp=6, dp=1, spares=1, failed=[5 if last else 0])
     plain = propose("checkfree", state)
     assert not plain.feasible
-    assert plain.reason.startswith("edge_stage")
+    assert plain.code == "edge_stage"
     plus = propose("checkfree_plus", state)
-    assert plus.feasible, plus.reason
+    assert plus.feasible, plus.note
     assert_replaced_on_spares(state, plus)
 
 
@@ -71,14 +71,14 @@ def test_stage_with_a_live_replica_is_left_to_exact_copy(name: str) -> None:
     state = grid_state(layers=12, pp=6, dp=2, spares=2, failed=[2])
     candidate = propose(name, state)
     assert not candidate.feasible
-    assert candidate.reason.startswith("stage_has_replica: stage 2")
+    assert candidate.code == "stage_has_replica" and candidate.note.startswith("stage 2")
 
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_stage_lost_in_every_pipeline_is_rebuilt_in_every_pipeline(name: str) -> None:
     state = grid_state(layers=12, pp=6, dp=2, spares=2, failed=[2, 8])
     candidate = propose(name, state)
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     assert_replaced_on_spares(state, candidate)
 
 
@@ -86,17 +86,17 @@ def test_stage_lost_in_every_pipeline_is_rebuilt_in_every_pipeline(name: str) ->
 def test_adjacent_lost_stages_are_infeasible(name: str) -> None:
     state = grid_state(layers=12, pp=6, dp=1, spares=2, failed=[2, 3])
     candidate = propose(name, state)
-    assert candidate.reason.startswith("adjacent_stages_lost: stages 2 and 3")
+    assert candidate.code == "adjacent_stages_lost" and candidate.note.startswith("stages 2 and 3")
 
 
 def test_checkfree_plus_ring_makes_first_and_last_adjacent() -> None:
     state = grid_state(layers=12, pp=6, dp=1, spares=2, failed=[0, 5])
-    assert propose("checkfree_plus", state).reason.startswith("adjacent_stages_lost")
+    assert propose("checkfree_plus", state).code == "adjacent_stages_lost"
 
 
 def test_checkfree_plus_needs_four_stages() -> None:
     state = grid_state(layers=6, pp=3, dp=1, spares=1, failed=[1])
-    assert propose("checkfree_plus", state).reason.startswith("too_few_stages")
+    assert propose("checkfree_plus", state).code == "too_few_stages"
     assert propose("checkfree", state).feasible
 
 
@@ -104,7 +104,9 @@ def test_neighbours_with_other_layer_counts_cannot_be_averaged() -> None:
     state = grid_state(layers=7, pp=3, dp=1, spares=1, failed=[1])
     uneven = grid_plan(7, 3, 1, 4, splits=[2, 3, 2])
     candidate = propose("checkfree", state.with_plan(uneven))
-    assert candidate.reason.startswith("shape_mismatch: stage 1 and neighbour 0")
+    assert candidate.code == "shape_mismatch" and candidate.note.startswith(
+        "stage 1 and neighbour 0"
+    )
 
 
 def test_fault_outside_the_plan_costs_nothing() -> None:
@@ -122,9 +124,10 @@ def test_convergence_penalty_is_charged_once_per_rebuilt_layer_range() -> None:
     assert candidate.plan is not None
     step = estimate_step_time(state.profile, state.cluster, state.plan)
     new_step = estimate_step_time(state.profile, state.cluster, candidate.plan)
-    expected = 3 + step + assumptions.checkfree_penalty_steps * new_step * 1
+    expected = step + CheckFreePolicy().penalty_steps * new_step * 1
+    assert candidate.transition.detection_s == 3
     assert candidate.transition.lost_work_s == pytest.approx(expected)
-    assert candidate.transition.restart_s == assumptions.checkfree_restart_s
+    assert candidate.transition.restart_s == CheckFreePolicy().restart_s == 30.0
 
 
 def test_checkfree_plus_pays_a_smaller_convergence_penalty() -> None:
@@ -143,13 +146,13 @@ def test_checkfree_plus_charges_the_embedding_replica_memory() -> None:
         failed=[2],
         profile=profile,
         memory_bytes=7 * GB,
-        assumptions=Assumptions(embedding_bytes=2 * GB),
     )
     # stage 0 peaks at 2 layers × 3 GB static + 0 activations = 6 GB; +2 GB replica > 7 GB
     assert propose("checkfree", state).feasible
-    plus = propose("checkfree_plus", state)
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    [plus] = CheckFreePlusPolicy(embedding_bytes=2 * GB).propose(state, failure)
     assert not plus.feasible
-    assert plus.reason.startswith("out of memory")
+    assert plus.code == "out_of_memory" and plus.note.startswith("out of memory")
 
 
 def test_rebuild_pulls_both_neighbours_weights_through_the_spare_link() -> None:
@@ -165,7 +168,7 @@ def test_rebuild_pulls_both_neighbours_weights_through_the_spare_link() -> None:
         bandwidth_gbps=(800, 100),
     )
     candidate = propose("checkfree", state)
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     # weights only (2 layers × 1 GB) from each neighbour; two copies share the spare's link
     assert candidate.transition.weight_transfer_s == pytest.approx(2 * 2 * GB / 12.5e9)
 
@@ -183,7 +186,7 @@ def test_checkfree_plus_copies_an_edge_stage_from_its_partner_alone() -> None:
         bandwidth_gbps=(800, 100),
     )
     candidate = propose("checkfree_plus", state)
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     assert candidate.transition.weight_transfer_s == pytest.approx(2 * GB / 12.5e9)
 
 
@@ -217,9 +220,9 @@ def reference_feasible(state: ClusterState, *, plus: bool) -> bool:
 def test_random_failures_keep_invariants(name: str, state: ClusterState) -> None:
     candidate = propose(name, state)
     expected = reference_feasible(state, plus=name == "checkfree_plus")
-    assert candidate.feasible == expected, candidate.reason
+    assert candidate.feasible == expected, candidate.note
     if candidate.feasible:
         assert_replaced_on_spares(state, candidate)
         assert math.isfinite(candidate.est_step_time_s)
     else:
-        assert candidate.reason
+        assert candidate.note

@@ -37,7 +37,7 @@ def test_registered_under_its_name() -> None:
 def test_with_spares_restarts_the_same_plan_on_them() -> None:
     state = grid_state(pp=2, dp=1, tp=2, spares=2, failed=[3])
     candidate = propose(state)
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     assert_replaced_on_spares(state, candidate)
     assert candidate.plan is not None
     assert candidate.plan.pipelines[0].stages[1].devices == (4, 5)
@@ -47,8 +47,8 @@ def test_without_spares_waits_for_repair() -> None:
     state = grid_state(pp=2, dp=2, tp=2, spares=2, failed=[0, 4])
     candidate = propose(state)
     assert not candidate.feasible
-    assert "needs 2 spare groups of 2 devices, 1 available" in candidate.reason
-    assert "wait for repair" in candidate.reason
+    assert "needs 2 spare groups of 2 devices, 1 available" in candidate.note
+    assert "wait for repair" in candidate.note
 
 
 def test_lost_work_is_half_an_interval_plus_the_interrupted_step() -> None:
@@ -56,7 +56,8 @@ def test_lost_work_is_half_an_interval_plus_the_interrupted_step() -> None:
     state = grid_state(pp=2, dp=2, spares=1, failed=[1], assumptions=assumptions)
     step = estimate_step_time(state.profile, state.cluster, state.plan)
     # steps 0..100 done since the checkpoint are lost with equal odds: 50 on average, plus one
-    assert propose(state).transition.lost_work_s == pytest.approx(5 + 51 * step)
+    assert propose(state).transition.detection_s == 5
+    assert propose(state).transition.lost_work_s == pytest.approx(51 * step)
 
 
 def test_checkpoint_is_read_in_parallel_at_the_storage_bandwidth() -> None:
@@ -77,7 +78,7 @@ def test_restart_grows_with_cluster_size() -> None:
     small = grid_state(layers=8, pp=4, dp=4, tp=2, spares=8, failed=[0])
     large = grid_state(layers=32, pp=8, dp=64, tp=8, spares=8, failed=[0])
     restarts = [propose(s).transition.restart_s for s in (small, large)]
-    assert restarts[0] == Assumptions().full_restart_min_s
+    assert restarts[0] == CheckpointPolicy().restart_min_s == 60.0
     assert restarts[1] == pytest.approx(0.244 * 4096 - 198)
     # FlashRecovery's in-place restart stays flat over the same range
     flash = [propose(s, "flashrecovery").transition.restart_s for s in (small, large)]
@@ -112,4 +113,4 @@ def test_random_failures_keep_invariants(state: ClusterState) -> None:
                 state.profile, state.cluster, state.plan
             ) * (state.assumptions.checkpoint_interval_steps + 1) / 2 * (1 - 1e-9)
     else:
-        assert "spare" in candidate.reason
+        assert "spare" in candidate.note

@@ -35,7 +35,8 @@ def failed_state(**lost: float | None) -> ClusterState:
 def lost_work_s(name: str, state: ClusterState) -> float:
     failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
     candidate = next(c for c in get(name).propose(state, failure) if c.feasible)
-    return candidate.transition.lost_work_s
+    assert candidate.transition.detection_s == DETECTION_S, "detection is charged on its own"
+    return candidate.transition.detection_s + candidate.transition.lost_work_s
 
 
 def test_without_a_clock_a_whole_step_and_half_an_interval_are_charged() -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from controlplane.recovery import policies
 from controlplane.recovery.codec import candidate_to_dict
+from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import UnknownPolicy
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
 from tests.recovery.builders import grid_state, uniform_profile
@@ -68,7 +69,8 @@ def test_policy_contract(name: str, state: ClusterState) -> None:
     for candidate in candidates:
         assert candidate.policy == name
         if not candidate.feasible:
-            assert candidate.reason, "a declining policy says why"
+            assert candidate.code in set(Code) - {Code.OK}, "a declining policy says why, coded"
+            assert candidate.note, "and in words"
             continue
         plan = candidate.plan
         assert plan is not None
@@ -79,10 +81,9 @@ def test_policy_contract(name: str, state: ClusterState) -> None:
             assert pipeline.stages[-1].layers[1] == state.profile.layers
         assert max(candidate.peak_memory_bytes.values()) <= state.cluster.device_memory_bytes
         t = candidate.transition
-        assert min(t.search_s, t.weight_transfer_s, t.restart_s, t.lost_work_s) >= 0
-        assert t.total_s == pytest.approx(
-            t.search_s + t.weight_transfer_s + t.restart_s + t.lost_work_s
-        )
+        parts = (t.detection_s, t.search_s, t.weight_transfer_s, t.restart_s, t.lost_work_s)
+        assert min(parts) >= 0
+        assert t.total_s == pytest.approx(sum(parts))
         assert candidate.est_step_time_s > 0 and candidate.objective >= 0
 
 
@@ -106,6 +107,24 @@ def test_registry_names_match_the_cli_contract() -> None:
 def test_unknown_policy_lists_known_ones() -> None:
     with pytest.raises(UnknownPolicy, match="known: odyssey, rerouting"):
         policies.get("nope")
+
+
+def test_unknown_options_are_refused_with_the_known_ones() -> None:
+    with pytest.raises(policies.InvalidOption, match="takes: exhaustive"):
+        policies.get("dynamic", exhastive=True)
+    with pytest.raises(policies.InvalidOption, match="takes: none"):
+        policies.get("rerouting", exhaustive=True)
+    # a name's preset options are not the caller's to change
+    with pytest.raises(policies.InvalidOption, match="use_spares"):
+        policies.get("odyssey_spares", use_spares=False)
+
+
+@pytest.mark.parametrize("name", policies.names())
+def test_every_policy_describes_itself(name: str) -> None:
+    info = policies.describe(name)
+    assert info.name == name and info.summary and not info.summary.endswith(":")
+    built = policies.get(name, **info.options)  # every listed option is taken, defaults included
+    assert built.name == name
 
 
 def test_registering_a_name_twice_is_an_error() -> None:

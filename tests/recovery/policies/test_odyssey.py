@@ -79,7 +79,7 @@ def test_rerouting_infeasible_when_stage_loses_all_replicas() -> None:
     state = grid_state(layers=8, pp=2, dp=2, micro_batches=4, failed=[1, 3])
     candidate = plan_rerouting("rerouting", state)
     assert not candidate.feasible
-    assert "lost every replica" in candidate.reason
+    assert "lost every replica" in candidate.note
 
 
 def test_dynamic_replans_over_survivors() -> None:
@@ -148,9 +148,12 @@ def test_odyssey_picks_the_family_with_the_best_objective(state: ClusterState) -
     if feasible:
         assert chosen.objective == max(c.objective for c in feasible)
         assert chosen.plan is not None
+        assert chosen.option == ("reroute" if chosen.plan.family == "rerouting" else "replan")
         assert_valid_plan(chosen.plan, state)
     else:
-        assert "rerouting" in chosen.reason and "dynamic" in chosen.reason
+        assert chosen.code == "no_option"
+        for option in options:  # each option's own code is in the note
+            assert f"[{option.code}]" in chosen.note
 
 
 def test_odyssey_reroutes_when_faults_come_fast() -> None:

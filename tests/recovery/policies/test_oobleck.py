@@ -89,7 +89,9 @@ def plan_from_nodes(
     return ExecutionPlan(pipelines=tuple(pipelines))
 
 
-def propose(state: ClusterState, failed: Iterable[int]) -> tuple[ClusterState, list[Candidate]]:
+def propose(
+    state: ClusterState, failed: Iterable[int], *, f: int = 1, replan: bool = False
+) -> tuple[ClusterState, list[Candidate]]:
     devices = frozenset(failed)
     after = ClusterState(
         profile=state.profile,
@@ -99,7 +101,8 @@ def propose(state: ClusterState, failed: Iterable[int]) -> tuple[ClusterState, l
         failed=state.failed | devices,
         assumptions=state.assumptions,
     )
-    return after, OobleckPolicy().propose(after, Failure(kind=FailureKind.CRASH, devices=devices))
+    policy = OobleckPolicy(f=f, replan=replan)
+    return after, policy.propose(after, Failure(kind=FailureKind.CRASH, devices=devices))
 
 
 def node_sets(plan: ExecutionPlan, per_node: int = 1) -> list[tuple[int, ...]]:
@@ -232,7 +235,7 @@ def test_no_template_fits_memory() -> None:
     )
     _, candidates = propose(state, [0])
     assert [c.feasible for c in candidates] == [False]
-    assert candidates[0].reason.startswith("template_oom:")
+    assert candidates[0].code == "out_of_memory"
 
 
 def test_templates_for_80_layers_on_64_nodes_build_well_under_oobleck_58_s() -> None:
@@ -369,7 +372,7 @@ def test_policy_pipelines_follow_the_develop_repairs(
     state = develop_state()
     after, candidates = propose(state, failed)
     first = candidates[0]
-    assert first.feasible, first.reason
+    assert first.feasible, first.note
     assert first.plan is not None
     assert node_sets(first.plan) == expected
     ts = templates_for(after, 1)
@@ -384,7 +387,7 @@ def test_develop_merges_lose_layers_that_no_survivor_holds(failed: list[int]) ->
     # the develop vectors test node lists only; on real templates layers [6, 8) die with them
     _, candidates = propose(develop_state(), failed)
     assert [c.feasible for c in candidates] == [False]
-    assert candidates[0].reason.startswith("layer_lost:")
+    assert candidates[0].code == "no_live_replica"
 
 
 def test_pipelines_that_cannot_borrow_merge() -> None:
@@ -399,7 +402,7 @@ def test_pipelines_that_cannot_borrow_merge() -> None:
     )
     _, candidates = propose(state, [1, 3])
     first = candidates[0]
-    assert first.feasible, first.reason
+    assert first.feasible, first.note
     assert first.plan is not None
     assert node_sets(first.plan) == [(0, 2), (4, 5)]
     # node 2 held the same first half as node 0, so it takes the second from pipeline [4, 5]
@@ -416,15 +419,14 @@ def test_nine_nodes_losing_a_pipeline_with_f_2_keeps_three_pipelines() -> None:
         cluster=one_gpu_cluster(9, memory=6.0),
         training=Training(global_batch=32),
         plan=plan_from_nodes([[0, 1], [2, 3], [4, 5, 6, 7, 8]], ts, [10, 10, 12]),
-        assumptions=Assumptions(oobleck_f=2),
     )
-    _, candidates = propose(state, [0, 1])
+    _, candidates = propose(state, [0, 1], f=2)
     first = candidates[0]
-    assert first.feasible, first.reason
+    assert first.feasible, first.note
     assert first.plan is not None
     assert sorted(len(s) for s in node_sets(first.plan)) == [2, 2, 3]
     assert {n for s in node_sets(first.plan) for n in s} == set(range(2, 9))
-    assert "re-instantiated" in first.reason
+    assert "re-instantiated" in first.note
 
 
 def missing_layers(old: ExecutionPlan, new: ExecutionPlan) -> int:
@@ -442,9 +444,8 @@ def test_reinstantiation_places_nodes_where_the_fewest_layers_move() -> None:
         cluster=one_gpu_cluster(9, memory=6.0),
         training=Training(global_batch=32),
         plan=plan_from_nodes([[0, 1], [2, 3], [8, 7, 6, 5, 4]], ts, [10, 10, 12]),
-        assumptions=Assumptions(oobleck_f=2),
     )
-    _, candidates = propose(state, [0, 1])
+    _, candidates = propose(state, [0, 1], f=2)
     plan = candidates[0].plan
     assert plan is not None
     slots = [s.layers for p in plan.pipelines for s in p.stages]
@@ -503,7 +504,8 @@ def test_too_few_nodes_left_is_below_min_nodes() -> None:
     state = develop_state()
     _, candidates = propose(state, range(11))
     assert [c.feasible for c in candidates] == [False]
-    assert candidates[0].reason.startswith("below_min_nodes: 3 healthy nodes < (f+1)·n0 = 4")
+    assert candidates[0].code == "too_few_nodes"
+    assert candidates[0].note.startswith("3 healthy nodes < (f+1)·n0 = 4")
 
 
 def test_losing_every_replica_of_a_layer_is_layer_lost() -> None:
@@ -511,7 +513,8 @@ def test_losing_every_replica_of_a_layer_is_layer_lost() -> None:
     # nodes 0, 2, 5 and 9 run the first stages, all of which hold layers [0, 3)
     _, candidates = propose(state, [0, 2, 5, 9])
     assert [c.feasible for c in candidates] == [False]
-    assert candidates[0].reason.startswith("layer_lost: no surviving replica of layers [0, 3)")
+    assert candidates[0].code == "no_live_replica"
+    assert candidates[0].note.startswith("no surviving replica of layers [0, 3)")
 
 
 def test_fewer_micro_batches_than_f_plus_one_pipelines_is_batch_too_small() -> None:
@@ -523,13 +526,12 @@ def test_fewer_micro_batches_than_f_plus_one_pipelines_is_batch_too_small() -> N
         cluster=one_gpu_cluster(8, memory=6.0),
         training=Training(global_batch=2),
         plan=plan_from_nodes([[0, 1, 2, 3], [4, 5, 6, 7]], ts, [1, 1]),
-        assumptions=Assumptions(oobleck_f=2),
     )
-    _, candidates = propose(state, [7])
+    _, candidates = propose(state, [7], f=2)
     assert [c.feasible for c in candidates] == [False]
-    assert candidates[0].reason.startswith(
-        "batch_too_small: 2 micro-batches cannot cover 3 pipelines; nearest distributable "
-        "global batch 3"
+    assert candidates[0].code == "no_fitting_plan"
+    assert candidates[0].note.startswith(
+        "2 micro-batches cannot cover 3 pipelines; nearest distributable global batch 3"
     )
 
 
@@ -544,7 +546,7 @@ def test_partial_node_loss_drops_the_whole_node() -> None:
     first = candidates[0]
     assert first.feasible and first.plan is not None
     assert not {2, 3} & first.plan.devices()
-    assert "partial node loss" in first.reason
+    assert "partial node loss" in first.note
 
 
 def test_tensor_parallel_groups_are_the_stages_of_a_node() -> None:
@@ -569,9 +571,8 @@ def test_replan_candidate_is_offered_when_asked() -> None:
         cluster=state.cluster,
         training=state.training,
         plan=state.plan,
-        assumptions=Assumptions(oobleck_replan=True),
     )
-    _, candidates = propose(state, [6])
+    _, candidates = propose(state, [6], replan=True)
     assert len(candidates) == 2 and all(c.feasible for c in candidates)
 
 
@@ -579,7 +580,7 @@ def test_transition_is_search_transfer_regroup_and_one_lost_step() -> None:
     state = develop_state()
     _, candidates = propose(state, [6])
     transition = candidates[0].transition
-    assert transition.restart_s == Assumptions().oobleck_regroup_s
+    assert transition.restart_s == OobleckPolicy().regroup_s == 2.0
     assert transition.weight_transfer_s > 0
     assert transition.search_s == Assumptions().search_s
     from controlplane.recovery.estimator import estimate_step_time
@@ -609,7 +610,6 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, int, TemplateSet]:
         cluster=cluster,
         training=training,
         plan=plan,
-        assumptions=Assumptions(oobleck_f=f),
     )
     ts = templates_for(state, f)
     return state, f, ts
@@ -649,9 +649,9 @@ def test_up_to_f_failures_keep_f_plus_one_template_pipelines_on_every_node(
         else:
             events[-1].append(node)
     for event in events:
-        state, candidates = propose(state, event)
+        state, candidates = propose(state, event, f=f)
         first = candidates[0]
-        assert first.feasible, first.reason
+        assert first.feasible, first.note
         assert first.plan is not None
         assert_oobleck_plan(first.plan, state, f, ts)
         state = state.with_plan(first.plan)
@@ -669,9 +669,9 @@ def test_transfer_is_zero_when_no_pipeline_changes_shape(
         st.sets(st.integers(0, state.plan.dp - 1), min_size=1, max_size=state.plan.dp - f - 1)
     )
     failed = [d for p in doomed for s in state.plan.pipelines[p].stages for d in s.devices]
-    _, candidates = propose(state, failed)
+    _, candidates = propose(state, failed, f=f)
     first = candidates[0]
-    assert first.feasible, first.reason
+    assert first.feasible, first.note
     assert first.transition.weight_transfer_s == 0.0
     assert first.plan is not None
     kept = [p for i, p in enumerate(state.plan.pipelines) if i not in doomed]
@@ -695,7 +695,7 @@ def test_infeasible_exactly_when_a_layer_lost_every_replica_or_too_few_nodes(
         not any(a <= layer < b for a, b in survivors) for layer in range(state.profile.layers)
     )
     too_few = nodes - len(failed) < (f + 1) * ts.n0
-    after, candidates = propose(state, failed)
+    after, candidates = propose(state, failed, f=f)
     assert any(c.feasible for c in candidates) == (not layer_lost and not too_few)
     for c in candidates:
         if c.feasible:

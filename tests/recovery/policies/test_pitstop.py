@@ -8,14 +8,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from controlplane.recovery.codes import Option
 from controlplane.recovery.model import Assumptions, ClusterState, Failure, FailureKind
 from controlplane.recovery.policies.dynamic import plan_dynamic
 from controlplane.recovery.policies.flashrecovery import plan_flashrecovery
 from controlplane.recovery.policies.odyssey import choose_family
 from controlplane.recovery.policies.pitstop import (
-    REPLAN_WITH_SPARES,
-    REROUTE,
-    SWAP,
     choose_any_family,
 )
 from controlplane.recovery.policies.rerouting import plan_rerouting
@@ -30,7 +28,7 @@ def crash(*devices: int) -> Failure:
     return Failure(kind=FailureKind.CRASH, devices=frozenset(devices))
 
 
-def two_replicas_one_spare(restart_s: float, flash_restart_s: float = 85.0) -> ClusterState:
+def two_replicas_one_spare(restart_s: float) -> ClusterState:
     """Two data-parallel copies of an 8-layer model, one device each; device 1 failed, spare 2.
 
     Every layer takes 1 s forward and 2 s backward, 4 micro-batches per copy (B = 8), links are
@@ -44,7 +42,7 @@ def two_replicas_one_spare(restart_s: float, flash_restart_s: float = 85.0) -> C
         spares=1,
         failed=[1],
         failure_rate=0.1,
-        assumptions=Assumptions(restart_s=restart_s, flashrecovery_restart_s=flash_restart_s),
+        assumptions=Assumptions(restart_s=restart_s),
     )
     return replace(state, interrupted_step_s=0.0)
 
@@ -69,7 +67,7 @@ def test_swap_wins_when_a_replan_restart_costs_more_than_the_in_place_one() -> N
     replan = eq8(STEP_S, 300.0, devices=2)  # the same shape on devices 0 and 2
     reroute = 8 / REROUTED_STEP_S  # no transition
     assert swap > replan > reroute
-    assert ours.reason.startswith(SWAP), ours.reason
+    assert ours.option == Option.SWAP, ours.note
     assert ours.objective == pytest.approx(swap, rel=1e-12)
     assert ours.plan is not None and ours.plan.devices() == {0, 2}
     # Odyssey with spares has the same devices but no swap: it pays the re-plan's restart
@@ -81,7 +79,7 @@ def test_with_a_cheap_restart_it_replans_onto_the_spare_as_odyssey_with_spares_d
     state = two_replicas_one_spare(restart_s=2.0)
     ours = choose_any_family("pitstop", state, crash(1))
     theirs = choose_family("odyssey_spares", state, use_spares=True)
-    assert ours.reason.startswith(REPLAN_WITH_SPARES), ours.reason
+    assert ours.option == Option.REPLAN_WITH_SPARES, ours.note
     assert ours.objective == pytest.approx(eq8(STEP_S, 2.0, devices=2), rel=1e-12)
     assert ours.plan == theirs.plan and ours.objective == theirs.objective
     # backup-free Odyssey can only reroute or re-plan on device 0 alone: rerouting wins
@@ -98,12 +96,12 @@ def test_the_swap_is_chosen_exactly_when_its_transition_is_the_shorter(
     # or the re-plan's restart
     swap_s = 1.0 + flash_restart_s
     assume(abs(restart_s - swap_s) > 1e-6)
-    state = two_replicas_one_spare(restart_s=restart_s, flash_restart_s=flash_restart_s)
-    chosen = choose_any_family("pitstop", state, crash(1))
-    expected = SWAP if swap_s < restart_s else REPLAN_WITH_SPARES
+    state = two_replicas_one_spare(restart_s=restart_s)
+    chosen = choose_any_family("pitstop", state, crash(1), swap_restart_s=flash_restart_s)
+    expected = Option.SWAP if swap_s < restart_s else Option.REPLAN_WITH_SPARES
     # rerouting halves the throughput: it never wins over a transition this short
     assert eq8(STEP_S, max(swap_s, restart_s), devices=2) > 8 / REROUTED_STEP_S
-    assert chosen.reason.startswith(expected), chosen.reason
+    assert chosen.option == expected, chosen.note
     assert chosen.objective == pytest.approx(eq8(STEP_S, min(swap_s, restart_s), devices=2))
 
 
@@ -115,7 +113,7 @@ def test_reroutes_when_faults_come_too_fast_for_any_transition() -> None:
     swap = eq8(STEP_S, 86.0, devices=2, rate=60.0)
     assert reroute > swap > eq8(STEP_S, 300.0, devices=2, rate=60.0)
     chosen = choose_any_family("pitstop", state, crash(1))
-    assert chosen.reason.startswith(REROUTE), chosen.reason
+    assert chosen.option == Option.REROUTE, chosen.note
     assert chosen.objective == pytest.approx(reroute)
 
 
@@ -148,27 +146,26 @@ def states_with_spares(draw: st.DrawFn) -> ClusterState:
         devices_per_node=draw(st.sampled_from([1, 2, 4])),
         failure_rate=draw(st.sampled_from([0.01, 0.1, 10.0])),
         bandwidth_gbps=draw(st.sampled_from([None, (400.0, 100.0), (10.0, 1.0)])),
-        assumptions=Assumptions(
-            restart_s=draw(st.sampled_from([2.0, 60.0, 300.0])),
-            flashrecovery_restart_s=draw(st.sampled_from([5.0, 85.0])),
-        ),
+        assumptions=Assumptions(restart_s=draw(st.sampled_from([2.0, 60.0, 300.0]))),
     )
 
 
-@given(state=states_with_spares())
+@given(state=states_with_spares(), swap_restart_s=st.sampled_from([5.0, 85.0]))
 @settings(max_examples=examples(40), deadline=None)
-def test_its_cuts_never_lose_the_best_of_the_four_options(state: ClusterState) -> None:
+def test_its_cuts_never_lose_the_best_of_the_four_options(
+    state: ClusterState, swap_restart_s: float
+) -> None:
     # each option scored on its own, every re-plan placed: the dominance cuts must not drop
     # the best of them
     failure = crash(*state.failed)
     options = [
         plan_rerouting("x", state),
-        plan_flashrecovery("x", state, failure),
+        plan_flashrecovery("x", state, failure, restart_s=swap_restart_s),
         plan_dynamic("x", state, exhaustive=True),
         plan_dynamic("x", state, exhaustive=True, include_spares=True),
     ]
     feasible = [c.objective for c in options if c.feasible]
-    chosen = choose_any_family("pitstop", state, failure)
+    chosen = choose_any_family("pitstop", state, failure, swap_restart_s=swap_restart_s)
     assert chosen.feasible == bool(feasible)
     if feasible:
         assert chosen.objective == pytest.approx(max(feasible), rel=1e-9)
@@ -180,4 +177,4 @@ def test_declines_with_every_reason_when_nothing_is_feasible() -> None:
     state = grid_state(layers=2, pp=2, dp=1, micro_batches=2, failed=[0, 1])
     candidate = choose_any_family("pitstop", state, crash(0, 1))
     assert not candidate.feasible
-    assert "replica" in candidate.reason
+    assert "replica" in candidate.note

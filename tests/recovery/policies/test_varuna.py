@@ -68,10 +68,14 @@ def grid_state(
     )
 
 
-def propose(state: ClusterState, failed: Sequence[int]) -> Candidate:
+def propose(
+    state: ClusterState, failed: Sequence[int], policy: VarunaPolicy | None = None
+) -> Candidate:
     devices = frozenset(failed)
     state = state.with_failure(Failure(kind=FailureKind.CRASH, devices=devices))
-    (candidate,) = VarunaPolicy().propose(state, Failure(kind=FailureKind.CRASH, devices=devices))
+    (candidate,) = (policy or VarunaPolicy()).propose(
+        state, Failure(kind=FailureKind.CRASH, devices=devices)
+    )
     return candidate
 
 
@@ -83,7 +87,7 @@ def test_new_plan_is_a_symmetric_grid_of_survivors_keeping_the_batch(
     state = grid_state(pp=pp, dp=dp, layers=pp * per_stage, micro_batches=12)
     failed = data.draw(st.sets(st.integers(0, pp * dp - 1), min_size=1, max_size=pp * dp - 1))
     candidate = propose(state, sorted(failed))
-    assert candidate.feasible, candidate.reason
+    assert candidate.feasible, candidate.note
     assert candidate.plan is not None
     assert candidate.plan.is_symmetric
     assert not candidate.plan.devices() & failed
@@ -102,8 +106,9 @@ def test_leftover_groups_sit_idle() -> None:
 def test_lost_work_grows_with_the_checkpoint_interval() -> None:
     lost = []
     for interval in (1, 2, 10, 50):
-        state = grid_state(assumptions=Assumptions(varuna_checkpoint_interval_steps=interval))
-        lost.append(propose(state, [1]).transition.lost_work_s)
+        state = grid_state()
+        policy = VarunaPolicy(checkpoint_interval_steps=interval)
+        lost.append(propose(state, [1], policy).transition.lost_work_s)
     assert lost == sorted(lost) and len(set(lost)) == len(lost)
     step = estimate_step_time(state.profile, state.cluster, state.plan)
     # the interrupted step plus (k − 1)/2 completed ones: (k + 1)/2 steps, about half the interval
@@ -115,21 +120,21 @@ def test_restart_loads_the_checkpoint_after_init() -> None:
     candidate = propose(state, [1])
     # 8 layers × 3 GB of parameters and optimizer state over 200 Gb/s
     assert checkpoint_bytes(state.profile) == pytest.approx(24 * GB)
-    assert restart_s(state.profile, state.assumptions) == pytest.approx(55.5 + 24 / 25)
+    assert restart_s(state.profile, state.assumptions, 55.5) == pytest.approx(55.5 + 24 / 25)
     assert candidate.transition.restart_s == pytest.approx(55.5 + 24 / 25)
     assert candidate.transition.weight_transfer_s == 0.0
 
 
 def test_measured_checkpoint_load_overrides_the_bandwidth_estimate() -> None:
     state = grid_state(static=1 * GB, assumptions=Assumptions(checkpoint_load_s=7.0))
-    assert restart_s(state.profile, state.assumptions) == pytest.approx(55.5 + 7.0)
+    assert restart_s(state.profile, state.assumptions, 55.5) == pytest.approx(55.5 + 7.0)
 
 
 def test_steady_overhead_is_checkpoint_over_interval_plus_checkpoint() -> None:
     # oobleck.md §5: c / (k·t_step + c)
     assert checkpoint_overhead(2.0, 5.0, 10) == pytest.approx(5.0 / 25.0)
-    state = grid_state(static=1 * GB, assumptions=Assumptions(varuna_checkpoint_s=15.8))
-    assert checkpoint_write_s(state.profile, state.assumptions) == 15.8
+    state = grid_state(static=1 * GB)
+    assert checkpoint_write_s(state.profile, state.assumptions, 15.8) == 15.8
     assert checkpoint_write_s(state.profile, Assumptions()) == pytest.approx(24 / 25)
 
 
@@ -138,7 +143,8 @@ def test_no_grid_fits_memory_is_varuna_no_grid() -> None:
     state = grid_state(pp=4, dp=2, layers=8, static=1.0, memory=5.0)
     candidate = propose(state, [0])
     assert not candidate.feasible
-    assert candidate.reason.startswith("varuna_no_grid: no PP × DP grid of the 7 surviving")
+    assert candidate.code == "no_fitting_plan"
+    assert candidate.note.startswith("no PP × DP grid of the 7 surviving")
 
 
 def test_failure_off_the_plan_keeps_training() -> None:

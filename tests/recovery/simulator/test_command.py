@@ -179,5 +179,5 @@ def test_experiment_errors_name_its_fields_not_flags(tmp_path: Path) -> None:
     taken.write_text("")
     experiment = simulator.Experiment(hours=1, policies=("odyssey",), trace=spec)
     with pytest.raises(InvalidScenario) as caught:
-        simulator.run(load_scenario(scenario(tmp_path)), experiment, out_dir=taken)
+        simulator.run(load_scenario(scenario(tmp_path)).state, experiment, out_dir=taken)
     assert caught.value.field == "out_dir"

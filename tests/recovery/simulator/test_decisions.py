@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from controlplane.recovery.estimator.time import gradient_sync_floor_s, gradient_sync_time
 from controlplane.recovery.model import Assumptions, ClusterState
 from controlplane.recovery.planner import usable_groups
-from controlplane.recovery.policies.dynamic import DOMINATED, plan_dynamic
+from controlplane.recovery.policies.dynamic import plan_dynamic
 from controlplane.recovery.policies.odyssey import choose_family
 from tests.recovery.builders import grid_state, uniform_profile
 
@@ -72,6 +72,6 @@ def test_gradient_sync_floor_holds_for_every_replan(state: ClusterState) -> None
 def test_dominated_replan_says_so() -> None:
     state = grid_state(layers=8, pp=2, dp=4, micro_batches=4, failed=[1], failure_rate=0.1)
     candidate = plan_dynamic("dynamic", state, beat=math.inf)
-    assert not candidate.feasible and candidate.reason.startswith(DOMINATED)
+    assert not candidate.feasible and candidate.code == "dominated"
     chosen = choose_family("odyssey", state)
-    assert chosen.feasible and chosen.reason
+    assert chosen.feasible and chosen.note and chosen.option is not None

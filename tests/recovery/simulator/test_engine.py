@@ -19,6 +19,8 @@ from controlplane.recovery.model import (
     Failure,
     FailureKind,
 )
+from controlplane.recovery.policies.base import SteadyCosts
+from controlplane.recovery.policies.varuna import VarunaPolicy
 from controlplane.recovery.simulator.engine import simulate
 from controlplane.recovery.simulator.experiment import Experiment, run_experiment
 from controlplane.recovery.simulator.metrics import summarize
@@ -101,7 +103,7 @@ def steps_of_a_job_that_rolls_back(
 
 
 @dataclass(frozen=True)
-class Unbreakable:
+class Unbreakable(SteadyCosts):
     """A test policy that keeps its plan at no cost whatever fails."""
 
     name: ClassVar[str] = "unbreakable"
@@ -110,7 +112,6 @@ class Unbreakable:
         return [
             Candidate(
                 policy=self.name,
-                feasible=True,
                 plan=state.plan,
                 est_step_time_s=STEP_S,
                 objective=1,
@@ -329,7 +330,7 @@ def test_infeasible_job_waits_for_a_repair_then_restarts() -> None:
     state = small_state(assumptions=Assumptions(restart_s=2.0))
     run = simulate(state, "checkpoint", trace((100.0, (1,), 1000.0)), HOUR)
     infeasible, resumed = run.recoveries
-    assert not infeasible.feasible and "no_spare_device" in infeasible.reason
+    assert not infeasible.feasible and infeasible.code == "no_spare"
     assert resumed.feasible and resumed.after_wait and resumed.at_s == 1100.0
     causes = [(s.cause, s.start_s, s.end_s) for s in run.segments[:4]]
     # the wait charged nothing: the step done since the checkpoint and the 40 s of the next
@@ -377,8 +378,7 @@ def test_bamboo_pays_its_redundant_forward_passes_while_running() -> None:
 
 def test_varuna_pays_its_checkpoints_while_running() -> None:
     # a 30 s blocking checkpoint every 10 steps: 10 steps per 10 × 60 + 30 s
-    state = small_state(assumptions=Assumptions(varuna_checkpoint_s=30.0))
-    run = simulate(state, "varuna", Trace(()), HOUR)
+    run = simulate(small_state(), VarunaPolicy(checkpoint_s=30.0), Trace(()), HOUR)
     assert run.samples == pytest.approx(B * 10 * HOUR / (10 * STEP_S + 30.0))
 
 

@@ -1,0 +1,82 @@
+"""The one decision function: candidates of every asked policy, the eq. 8 best chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.recovery import policies
+from controlplane.recovery.codes import Code
+from controlplane.recovery.decision import decide
+from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
+from controlplane.recovery.policies.base import SteadyCosts
+from tests.recovery.builders import examples, grid_state
+
+ALL = policies.names()
+
+
+@dataclass(frozen=True)
+class Fixed(SteadyCosts):
+    """A test policy that answers with one made-up candidate of the given objective."""
+
+    objective: float
+    feasible: bool = True
+    name: ClassVar[str] = "fixed"
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        code = Code.OK if self.feasible else Code.NO_SPARE
+        return [Candidate(policy=self.name, code=code, note="", objective=self.objective)]
+
+
+@given(objectives=st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.0]), st.booleans()), max_size=6))
+def test_the_first_feasible_candidate_of_highest_objective_is_chosen(
+    objectives: list[tuple[float, bool]],
+) -> None:
+    state = grid_state(pp=2, dp=2, failed=[1])
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    asked = [Fixed(objective, feasible) for objective, feasible in objectives]
+    decision = decide(state, failure, policies=asked)
+    feasible = [i for i, (_, ok) in enumerate(objectives) if ok]
+    if not feasible:
+        assert decision.chosen is None and decision.best is None
+        return
+    top = max(objectives[i][0] for i in feasible)
+    assert decision.chosen == next(i for i in feasible if objectives[i][0] == top)
+
+
+@given(
+    failed=st.sets(st.integers(0, 7), min_size=1, max_size=3),
+    names=st.lists(st.sampled_from(ALL), min_size=1, max_size=4, unique=True),
+)
+@settings(max_examples=examples(30), deadline=None)
+def test_every_asked_policy_answers_in_order(failed: set[int], names: list[str]) -> None:
+    state = grid_state(layers=8, pp=2, dp=2, tp=2, spares=2, failed=sorted(failed))
+    failure = Failure(kind=FailureKind.CRASH, devices=frozenset(failed))
+    decision = decide(state, failure, policies=names)
+    asked = list(dict.fromkeys(c.policy for c in decision.candidates))
+    assert asked == names, "one answer or more per policy, in the order asked"
+    best = decision.best
+    for candidate in decision.candidates:
+        assert candidate.feasible == (candidate.code is Code.OK)
+        if best is not None and candidate.feasible:
+            assert candidate.objective <= best.objective
+    assert decision.search_s >= 0
+
+
+def test_options_reach_the_named_policy_and_bad_ones_are_refused() -> None:
+    state = grid_state(layers=6, pp=3, dp=2, failed=[0])
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    fast = decide(state, failure, policies=["dynamic"])
+    exhaustive = decide(
+        state, failure, policies=["dynamic"], options={"dynamic": {"exhaustive": True}}
+    )
+    assert exhaustive.best is not None and fast.best is not None
+    assert exhaustive.best.objective == pytest.approx(fast.best.objective)
+    with pytest.raises(policies.InvalidOption, match="not asked"):
+        decide(state, failure, policies=["rerouting"], options={"dynamic": {"exhaustive": True}})
+    with pytest.raises(policies.InvalidOption, match="takes no option 'exhaustive'"):
+        decide(state, failure, policies=["rerouting"], options={"rerouting": {"exhaustive": 1}})
