@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
@@ -29,6 +29,12 @@ class Policy(Protocol):
         """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""
         ...
 
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a recovery returns to the last checkpoint, throwing away the steps since it
+        (the simulator then charges what its clock says ran since, not the expectation)."""
+        ...
+
     def step_factor(self, state: ClusterState) -> float:
         """Factor on the plain step of ``state.plan`` that the policy's layout always pays."""
         ...
@@ -49,6 +55,8 @@ class SteadyCosts:
     blocking checkpoints, CheckFree+'s swap schedule). Candidates' step times already include
     ``step_factor``; the simulator charges the other two while the policy runs.
     """
+
+    rolls_back: ClassVar[bool] = False
 
     def step_factor(self, state: ClusterState) -> float:
         return 1.0

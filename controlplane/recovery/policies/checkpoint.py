@@ -110,6 +110,7 @@ class CheckpointPolicy(SteadyCosts):
     restart_offset_s: float = FullRestart.offset_s
     restart_min_s: float = FullRestart.min_s
     name: ClassVar[str] = "checkpoint"
+    rolls_back: ClassVar[bool] = True
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
         restart = FullRestart(self.restart_s_per_device, self.restart_offset_s, self.restart_min_s)

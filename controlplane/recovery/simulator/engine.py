@@ -21,7 +21,6 @@ from controlplane.recovery.model import (
     TransitionCost,
 )
 from controlplane.recovery.policies.base import Policy, interrupted_work_s
-from controlplane.recovery.policies.checkpoint import CheckpointPolicy
 from controlplane.recovery.simulator.overheads import effective_step_s, starting_step_s
 from controlplane.recovery.simulator.timeline import Recovery, Run, Segment
 from controlplane.recovery.simulator.traces import Trace, TraceFailure
@@ -174,7 +173,7 @@ class _Job:
     def _rollback_s(self) -> float:
         """Completed steps the fault throws away on top of the interrupted one: those since the
         checkpoint for a checkpoint restart, none for the policies that keep the job's state."""
-        if isinstance(self.policy, CheckpointPolicy):
+        if self.policy.rolls_back:
             return self.state.completed_since_checkpoint_s or 0.0
         return 0.0
 
