@@ -1,1 +1,176 @@
-"""Database models of incidents (none yet): failures, recovery decisions, timeline events."""
+"""Incidents: failures, the recovery decisions they ask for, and the append-only timeline.
+
+A decision moves through ``DecisionStatus`` by ``controlplane.incidents.decisions.transition``
+only, which checks the move against ``LEGAL`` and records it on the timeline in the same
+transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from controlplane.bridge.vocabulary import FailureKind, choices
+from controlplane.jobs.models import Job, Node
+
+
+class FailureSource(models.TextChoices):
+    AGENT = "agent", "the agent reported a fault"
+    SOCKET = "socket", "the agent's socket closed without goodbye"
+    HEARTBEAT = "heartbeat", "heartbeats stopped arriving"
+    OPERATOR = "operator", "an operator declared it"
+
+
+class Failure(models.Model):
+    """One incident: every device it took, however many reports it came in."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="failures")
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="failures"
+    )
+    kind = models.CharField(max_length=16, choices=choices(FailureKind))
+    devices = models.JSONField(help_text="the core's device ids, sorted")
+    source = models.CharField(max_length=16, choices=FailureSource.choices)
+    occurred_at = models.DateTimeField(help_text="when it happened, as well as it is known")
+    detected_at = models.DateTimeField()
+    message = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("-detected_at",)
+        indexes = (models.Index(fields=["job", "-detected_at"]),)
+
+    def __str__(self) -> str:
+        return f"{self.kind} of {self.devices} on {self.job.name}"
+
+    @property
+    def detection_latency_s(self) -> float:
+        return max((self.detected_at - self.occurred_at).total_seconds(), 0.0)
+
+
+class DecisionStatus(models.TextChoices):
+    PLANNING = "planning"
+    PROPOSED = "proposed"
+    APPROVED = "approved"
+    OVERRIDDEN = "overridden"
+    AUTO_APPLIED = "auto_applied"
+    APPLYING = "applying"
+    RECOVERED = "recovered"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+
+
+S = DecisionStatus
+# Every legal move; anything else is refused. A second failure supersedes an open decision.
+LEGAL: dict[str, frozenset[str]] = {
+    S.PLANNING: frozenset({S.PROPOSED, S.FAILED, S.SUPERSEDED}),
+    S.PROPOSED: frozenset({S.APPROVED, S.OVERRIDDEN, S.AUTO_APPLIED, S.SUPERSEDED}),
+    S.APPROVED: frozenset({S.APPLYING, S.SUPERSEDED}),
+    S.OVERRIDDEN: frozenset({S.APPLYING, S.SUPERSEDED}),
+    S.AUTO_APPLIED: frozenset({S.APPLYING, S.SUPERSEDED}),
+    S.APPLYING: frozenset({S.RECOVERED, S.FAILED, S.SUPERSEDED}),
+    S.RECOVERED: frozenset(),
+    S.FAILED: frozenset(),
+    S.SUPERSEDED: frozenset(),
+}
+TERMINAL = frozenset(status for status, moves in LEGAL.items() if not moves)
+OPEN = frozenset(DecisionStatus) - TERMINAL
+
+
+class RecoveryDecision(models.Model):
+    """What to do about a failure: every policy's candidates, the choice, who made it and why.
+
+    ``decision`` is the core's decision as the codec writes it (failure, candidates with their
+    codes, the eq. 8 best, search time); ``chosen`` indexes the candidate to apply (the proposal
+    until an operator overrides it, None for an edited plan), and ``plan`` is the plan applied.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="decisions")
+    failure = models.ForeignKey(Failure, on_delete=models.PROTECT, related_name="decisions")
+    status = models.CharField(
+        max_length=16, choices=DecisionStatus.choices, default=DecisionStatus.PLANNING
+    )
+    decision = models.JSONField(null=True, blank=True)
+    chosen = models.PositiveIntegerField(null=True, blank=True)
+    plan = models.JSONField(null=True, blank=True)
+    chosen_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    reason = models.TextField(blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    superseded_by = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="supersedes"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("-created_at",)
+        constraints = (
+            # at most one decision in flight per job: no failure is planned, or applied, twice
+            models.UniqueConstraint(
+                fields=["job"],
+                condition=Q(status__in=sorted(OPEN)),
+                name="one_open_decision_per_job",
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"decision {self.pk} ({self.status}) for {self.job.name}"
+
+    @property
+    def candidates(self) -> list[dict[str, Any]]:
+        return [] if self.decision is None else list(self.decision["candidates"])
+
+
+class EventKind(models.TextChoices):
+    FAILURE_DETECTED = "failure_detected"
+    PLANNING_STARTED = "planning_started"
+    PROPOSED = "proposed"
+    APPROVED = "approved"
+    OVERRIDDEN = "overridden"
+    AUTO_APPLIED = "auto_applied"
+    APPLYING = "applying"
+    COMMAND_SENT = "command_sent"
+    COMMAND_ACKED = "command_acked"
+    FIRST_STEP = "first_step"
+    RECOVERED = "recovered"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+
+
+class AppendOnly(Exception):
+    """A timeline event cannot be changed or deleted once written."""
+
+
+class TimelineEvent(models.Model):
+    """One thing that happened to a job, at a time, by an actor; never updated or deleted."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="timeline")
+    decision = models.ForeignKey(
+        RecoveryDecision, null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    failure = models.ForeignKey(
+        Failure, null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    kind = models.CharField(max_length=32, choices=EventKind.choices)
+    at = models.DateTimeField(db_index=True)
+    actor = models.CharField(max_length=150, blank=True, help_text="user, agent or system part")
+    payload = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ("at", "pk")
+        indexes = (models.Index(fields=["job", "at"]),)
+
+    def __str__(self) -> str:
+        return f"{self.at.isoformat()} {self.kind}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding:
+            raise AppendOnly(f"timeline event {self.pk} is append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
+        raise AppendOnly(f"timeline event {self.pk} is append-only")

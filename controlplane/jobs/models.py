@@ -1,1 +1,139 @@
-"""Database models of jobs (none yet)."""
+"""Jobs and what they run on: the job (its scenario and current plan), nodes, devices, tokens.
+
+A job's ``scenario`` is the core's scenario format (docs/scenario.md): model profile, cluster,
+batch, initial plan, assumptions and policy options; ``plan`` is the plan running now, in the
+codec's plan format. Devices are numbered as the core numbers them: ``0 … devices−1``, then the
+spares. Live heartbeat data (last seen, latest metrics) is kept in Redis, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Any
+
+from django.db import models
+
+
+class ApprovalMode(models.TextChoices):
+    AUTO = "auto", "apply the best plan at once"
+    MANUAL = "manual", "wait for an operator"
+    MANUAL_WITH_TIMEOUT = "manual_with_timeout", "wait for an operator, then apply the proposal"
+
+
+class JobStatus(models.TextChoices):
+    PENDING = "pending"  # created, no agent has said hello yet
+    RUNNING = "running"
+    RECOVERING = "recovering"  # a failure is being handled
+    STOPPED = "stopped"
+    FAILED = "failed"  # no policy could recover it
+
+
+class Job(models.Model):
+    name = models.CharField(max_length=200, unique=True)
+    scenario = models.JSONField(help_text="the core's scenario format (docs/scenario.md)")
+    plan = models.JSONField(help_text="the execution plan running now (codec plan format)")
+    approval_mode = models.CharField(
+        max_length=32, choices=ApprovalMode.choices, default=ApprovalMode.AUTO
+    )
+    approval_timeout_s = models.FloatField(
+        default=300.0, help_text="manual_with_timeout: seconds before the proposal is applied"
+    )
+    enabled_policies = models.JSONField(
+        default=list, help_text="registry names of the policies asked at a failure, in order"
+    )
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)
+    step = models.BigIntegerField(default=0, help_text="the last training step reported")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("-created_at",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class NodeStatus(models.TextChoices):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"  # a heartbeat is late
+    FAILED = "failed"
+    LEFT = "left"  # said goodbye
+
+
+class Node(models.Model):
+    """A host running one agent; it holds a contiguous block of the job's devices."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="nodes")
+    name = models.CharField(max_length=200)
+    index = models.PositiveIntegerField(help_text="node number in the cluster (device // per node)")
+    status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.HEALTHY)
+
+    class Meta:
+        ordering = ("job", "index")
+        constraints = (
+            models.UniqueConstraint(fields=["job", "name"], name="node_name_unique_per_job"),
+            models.UniqueConstraint(fields=["job", "index"], name="node_index_unique_per_job"),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.job.name}/{self.name}"
+
+
+class DeviceState(models.TextChoices):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    FAILED = "failed"
+    SPARE = "spare"  # healthy and idle, outside the plan
+    RECOVERING = "recovering"  # receiving weights or restarting for a new plan
+
+
+class Device(models.Model):
+    """One accelerator; ``index`` is the core's device id."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="devices")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="devices")
+    index = models.PositiveIntegerField()
+    state = models.CharField(
+        max_length=16, choices=DeviceState.choices, default=DeviceState.HEALTHY
+    )
+
+    class Meta:
+        ordering = ("job", "index")
+        constraints = (
+            models.UniqueConstraint(fields=["job", "index"], name="device_index_unique_per_job"),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.job.name}#{self.index}"
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class AgentToken(models.Model):
+    """What an agent presents in its hello; only the SHA-256 of the token is stored."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="agent_tokens")
+    digest = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"token of {self.job.name} ({self.digest[:8]}…)"
+
+    @classmethod
+    def issue(cls, job: Job) -> tuple[AgentToken, str]:
+        """A new token for ``job``: the row, and the token itself, shown once and never stored."""
+        token = secrets.token_urlsafe(32)
+        return cls.objects.create(job=job, digest=token_digest(token)), token
+
+    @classmethod
+    def find(cls, token: str, **filters: Any) -> AgentToken | None:
+        """The live token row for ``token``, or None (looked up by its digest)."""
+        return (
+            cls.objects.select_related("job")
+            .filter(digest=token_digest(token), revoked_at__isnull=True, **filters)
+            .first()
+        )

@@ -1,0 +1,106 @@
+"""Database rows into core objects and back, through the core's codec only.
+
+The job row keeps the core's scenario and the current plan as JSON; the device rows say which
+devices are down. Everything the core answers is stored as the codec writes it, so a row can be
+read back into core objects (``decision_from_dict``) and shown by the API as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from controlplane.recovery.codec import (
+    Scenario,
+    decision_to_dict,
+    plan_from_dict,
+    plan_to_dict,
+    scenario_from_dict,
+    validate_plan,
+)
+from controlplane.recovery.decision import Decision, decide
+from controlplane.recovery.errors import InvalidScenario, RecoveryError
+from controlplane.recovery.model import ClusterState, Failure, FailureKind
+from controlplane.recovery.policies import get as get_policy
+from controlplane.recovery.policies import names
+
+__all__ = [
+    "InvalidScenario",
+    "RecoveryError",
+    "check_policies",
+    "cluster_layout",
+    "decide_for",
+    "parse_scenario",
+    "state_of",
+    "validate_override",
+]
+
+
+def parse_scenario(data: Any) -> Scenario:
+    """A job's scenario checked by the core; ``InvalidScenario`` names the field at fault."""
+    return scenario_from_dict(data)
+
+
+def check_policies(enabled: Any, scenario: Scenario) -> list[str]:
+    """The job's enabled policies: known names, each once, buildable with the scenario's
+    options. An empty list means every registered policy."""
+    if not isinstance(enabled, list) or not all(isinstance(n, str) for n in enabled):
+        raise InvalidScenario("expected a list of policy names", field="enabled_policies")
+    known = names()
+    for i, name in enumerate(enabled):
+        if name not in known:
+            raise InvalidScenario(
+                f"unknown policy {name!r}; known: {', '.join(known)}",
+                field=f"enabled_policies[{i}]",
+            )
+    if len(set(enabled)) != len(enabled):
+        raise InvalidScenario("names a policy twice", field="enabled_policies")
+    for name in enabled or known:
+        get_policy(name, **scenario.options.get(name, {}))  # InvalidOption names the option
+    return list(enabled)
+
+
+def cluster_layout(scenario: Scenario) -> tuple[int, int, int]:
+    """(devices, spares, devices per node) of the scenario's cluster."""
+    cluster = scenario.state.cluster
+    return cluster.devices, cluster.spares, cluster.devices_per_node
+
+
+def state_of(scenario: Any, plan: Any, failed: set[int]) -> ClusterState:
+    """The core's state of a job: its scenario, the plan it runs now, the devices down now."""
+    parsed = parse_scenario(scenario)
+    state = parsed.state
+    current = plan_from_dict(plan, profile=state.profile, cluster=state.cluster)
+    return replace(state, plan=current, failed=frozenset(failed))
+
+
+def decide_for(
+    scenario: Any,
+    plan: Any,
+    failed: set[int],
+    *,
+    kind: str,
+    devices: list[int],
+    policies: list[str],
+) -> dict[str, Any]:
+    """Every enabled policy's candidates for a failure of ``devices`` (codec decision dict).
+
+    ``failed`` is every device down now, the failure's included. No row is read or written:
+    the caller stores the answer (or shows it, for a what-if).
+    """
+    parsed = parse_scenario(scenario)
+    state = state_of(scenario, plan, failed)
+    failure = Failure(
+        kind=FailureKind(kind), devices=frozenset(devices), detected_by="control plane"
+    )
+    asked = policies or names()
+    options = {name: dict(parsed.options[name]) for name in asked if name in parsed.options}
+    decision: Decision = decide(state, failure, policies=asked, options=options)
+    return decision_to_dict(decision)
+
+
+def validate_override(scenario: Any, plan: Any, failed: set[int], edited: Any) -> dict[str, Any]:
+    """An operator's edited plan checked against the job as it is now (memory, layers, batch,
+    no failed device); returns it in the codec's format. ``InvalidScenario`` names the field."""
+    state = state_of(scenario, plan, failed)
+    return plan_to_dict(validate_plan(edited, state, field="plan"))

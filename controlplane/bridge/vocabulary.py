@@ -1,0 +1,20 @@
+"""The core's stable vocabulary, for Django choices, filters and API schemas."""
+
+from __future__ import annotations
+
+from controlplane.recovery import policies
+from controlplane.recovery.causes import COLOURS, Cause
+from controlplane.recovery.codes import Code, Option
+from controlplane.recovery.model import FailureKind
+
+__all__ = ["COLOURS", "Cause", "Code", "FailureKind", "Option", "policy_names"]
+
+
+def policy_names() -> list[str]:
+    """Every registered recovery policy, in the registry's order."""
+    return policies.names()
+
+
+def choices(enum: type[FailureKind] | type[Code] | type[Cause]) -> list[tuple[str, str]]:
+    """Django ``choices`` for one of the core's string enums."""
+    return [(member.value, member.value.replace("_", " ")) for member in enum]

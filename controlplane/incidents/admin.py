@@ -1,0 +1,53 @@
+"""Django admin of failures, recovery decisions and the timeline (which is read-only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest
+
+from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
+
+
+@admin.register(Failure)
+class FailureAdmin(admin.ModelAdmin):
+    list_display = ("pk", "job", "kind", "devices", "source", "detected_at")
+    list_filter = ("kind", "source")
+    list_select_related = ("job",)
+    search_fields = ("job__name",)
+
+
+@admin.register(RecoveryDecision)
+class RecoveryDecisionAdmin(admin.ModelAdmin):
+    """Decisions change status through the state machine only, so every field is read-only."""
+
+    list_display = ("pk", "job", "status", "failure", "chosen", "chosen_by", "created_at")
+    list_filter = ("status",)
+    list_select_related = ("job", "failure__job", "chosen_by")
+    search_fields = ("job__name",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in RecoveryDecision._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+
+@admin.register(TimelineEvent)
+class TimelineEventAdmin(admin.ModelAdmin):
+    """Append-only: nothing here can be added, changed or deleted."""
+
+    list_display = ("at", "job", "kind", "actor", "decision", "failure")
+    list_filter = ("kind",)
+    list_select_related = ("job", "decision__job", "failure__job")
+    search_fields = ("job__name", "actor")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -1,0 +1,422 @@
+"""The recovery decision's life: failures open one, planning fills it, operators or the job's
+mode choose, and every move is checked, recorded on the timeline and committed together.
+
+Only ``transition`` changes a decision's status. It locks the row, refuses a move ``LEGAL`` does
+not list (``IllegalTransition``), writes the timeline event in the same transaction and runs
+the caller's notifications only after the commit, so nothing is announced that did not happen.
+Planning runs in Celery (``tasks.plan_recovery``); everything here is safe to run twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import structlog
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.bridge import rows
+from controlplane.bridge.vocabulary import FailureKind
+from controlplane.incidents.models import (
+    LEGAL,
+    OPEN,
+    DecisionStatus,
+    EventKind,
+    Failure,
+    FailureSource,
+    RecoveryDecision,
+    TimelineEvent,
+)
+from controlplane.jobs.models import ApprovalMode, Device, DeviceState, Job, JobStatus, Node
+from controlplane.jobs.services import failed_devices
+
+log = structlog.get_logger(__name__)
+
+# The event each status is recorded as.
+EVENT_OF: dict[str, str] = {
+    DecisionStatus.PLANNING: EventKind.PLANNING_STARTED,
+    DecisionStatus.PROPOSED: EventKind.PROPOSED,
+    DecisionStatus.APPROVED: EventKind.APPROVED,
+    DecisionStatus.OVERRIDDEN: EventKind.OVERRIDDEN,
+    DecisionStatus.AUTO_APPLIED: EventKind.AUTO_APPLIED,
+    DecisionStatus.APPLYING: EventKind.APPLYING,
+    DecisionStatus.RECOVERED: EventKind.RECOVERED,
+    DecisionStatus.FAILED: EventKind.FAILED,
+    DecisionStatus.SUPERSEDED: EventKind.SUPERSEDED,
+}
+
+
+class IllegalTransition(Exception):
+    """A move the decision's state machine does not allow; ``code`` is stable for the API."""
+
+    code = "illegal_transition"
+
+    def __init__(self, decision: RecoveryDecision, to: str) -> None:
+        allowed = ", ".join(sorted(LEGAL[decision.status])) or "none (it is final)"
+        super().__init__(
+            f"decision {decision.pk} is {decision.status}; it cannot become {to} "
+            f"(allowed: {allowed})"
+        )
+        self.status, self.to = decision.status, to
+
+
+def record(
+    job: Job,
+    kind: str,
+    *,
+    actor: str,
+    decision: RecoveryDecision | None = None,
+    failure: Failure | None = None,
+    at: dt.datetime | None = None,
+    **payload: Any,
+) -> TimelineEvent:
+    """Append one event to the job's timeline."""
+    return TimelineEvent.objects.create(
+        job=job,
+        decision=decision,
+        failure=failure,
+        kind=kind,
+        at=at or timezone.now(),
+        actor=actor,
+        payload=payload,
+    )
+
+
+def transition(
+    decision_id: int,
+    to: str,
+    *,
+    actor: str,
+    after_commit: Callable[[RecoveryDecision], None] | None = None,
+    payload: dict[str, Any] | None = None,
+    **changes: Any,
+) -> RecoveryDecision:
+    """Move a decision to ``to`` with ``changes`` to its fields, recorded on the timeline.
+
+    The row is locked for the move, so two callers racing for the same decision (an operator's
+    approval and the timeout, a worker and its redelivered task) cannot both win: the second
+    sees the new status and gets ``IllegalTransition``. ``after_commit`` runs once the move is
+    committed.
+    """
+    with transaction.atomic():
+        decision = (
+            RecoveryDecision.objects.select_for_update().select_related("job").get(pk=decision_id)
+        )
+        if to not in LEGAL[decision.status]:
+            raise IllegalTransition(decision, to)
+        before = decision.status
+        decision.status = to
+        for field, value in changes.items():
+            setattr(decision, field, value)
+        decision.save()
+        record(
+            decision.job,
+            EVENT_OF[to],
+            actor=actor,
+            decision=decision,
+            failure=decision.failure,
+            **{"from": before, **(payload or {})},
+        )
+        if after_commit is not None:
+            transaction.on_commit(lambda: after_commit(decision))
+    log.info("decision.transition", decision=decision.pk, job=decision.job_id, to=to, actor=actor)
+    return decision
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def record_failure(
+    job: Job,
+    *,
+    kind: str,
+    devices: Iterable[int],
+    source: str,
+    occurred_at: dt.datetime,
+    node: Node | None = None,
+    message: str = "",
+    plan: Callable[[int], None] | None = None,
+) -> tuple[Failure, RecoveryDecision]:
+    """Record a failure and open the decision that will recover from it.
+
+    One incident, one failure: when the job's open decision is still planning, the devices
+    join its failure (many ranks of one node report the same fault) and planning, which reads
+    the devices when it runs, covers them all. Otherwise an open decision is superseded and a
+    new one plans for every device down now. ``plan(decision_id)`` is called after the commit
+    for a new decision (the Celery task's ``delay``).
+    """
+    devices = sorted(set(devices))
+    if not devices:
+        raise rows.InvalidScenario("a failure needs at least one device", field="devices")
+    if kind not in FailureKind.__members__.values():
+        raise rows.InvalidScenario(
+            f"unknown kind {kind!r}; known: {', '.join(FailureKind)}", field="kind"
+        )
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        known = dict(Device.objects.filter(job=job).values_list("index", "state"))
+        unknown = [d for d in devices if d not in known]
+        if unknown:
+            raise rows.InvalidScenario(
+                f"devices {unknown} do not exist in job {job.name} (ids are 0..{len(known) - 1})",
+                field="devices",
+            )
+        Device.objects.filter(job=job, index__in=devices).update(state=DeviceState.FAILED)
+        open_decision = (
+            RecoveryDecision.objects.select_for_update()
+            .select_related("failure")
+            .filter(job=job, status__in=OPEN)
+            .first()
+        )
+        if open_decision is not None and open_decision.status == DecisionStatus.PLANNING:
+            failure = open_decision.failure
+            merged = sorted(set(failure.devices) | set(devices))
+            if merged != failure.devices:
+                failure.devices = merged
+                failure.save(update_fields=["devices"])
+                record(
+                    job,
+                    EventKind.FAILURE_DETECTED,
+                    actor=source,
+                    failure=failure,
+                    decision=open_decision,
+                    devices=devices,
+                    merged_into=failure.pk,
+                    detection_latency_s=_latency(occurred_at, now),
+                )
+            return failure, open_decision
+        failure = Failure.objects.create(
+            job=job,
+            node=node,
+            kind=kind,
+            devices=devices,
+            source=source,
+            occurred_at=min(occurred_at, now),
+            detected_at=now,
+            message=message,
+        )
+        record(
+            job,
+            EventKind.FAILURE_DETECTED,
+            actor=source,
+            failure=failure,
+            at=now,
+            failure_kind=kind,
+            devices=devices,
+            detection_latency_s=failure.detection_latency_s,
+        )
+        if open_decision is not None:
+            transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
+        decision = RecoveryDecision.objects.create(job=job, failure=failure)
+        record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure)
+        if open_decision is not None:
+            RecoveryDecision.objects.filter(pk=open_decision.pk).update(superseded_by=decision)
+        Job.objects.filter(pk=job.pk).update(status=JobStatus.RECOVERING)
+        if plan is not None:
+            transaction.on_commit(lambda: plan(decision.pk))
+    log.info(
+        "failure.recorded",
+        job=job.pk,
+        failure=failure.pk,
+        kind=kind,
+        devices=devices,
+        source=source,
+        detection_latency_s=failure.detection_latency_s,
+    )
+    return failure, decision
+
+
+def _latency(occurred_at: dt.datetime, detected_at: dt.datetime) -> float:
+    return max((detected_at - occurred_at).total_seconds(), 0.0)
+
+
+# --- planning ------------------------------------------------------------------------------
+
+
+def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | None = None) -> str:
+    """Plan an open decision: every enabled policy's candidates, stored, then the job's mode.
+
+    Safe to run twice (a redelivered task): a decision no longer planning is left alone. The
+    core runs outside the row lock; if a failure joined meanwhile, planning runs again with it.
+    Returns the decision's status afterwards.
+    """
+    for _ in range(8):
+        decision = RecoveryDecision.objects.select_related("job", "failure").get(pk=decision_id)
+        if decision.status != DecisionStatus.PLANNING:
+            return decision.status
+        job, failure = decision.job, decision.failure
+        seen = list(failure.devices)
+        answer = rows.decide_for(
+            job.scenario,
+            job.plan,
+            failed_devices(job),
+            kind=failure.kind,
+            devices=seen,
+            policies=list(job.enabled_policies),
+        )
+        with transaction.atomic():
+            locked = RecoveryDecision.objects.select_for_update().get(pk=decision_id)
+            if locked.status != DecisionStatus.PLANNING:
+                return locked.status
+            if Failure.objects.get(pk=failure.pk).devices != seen:
+                continue  # more devices joined the failure while the core planned
+            return _proposed(decision, answer, schedule_timeout)
+    raise RuntimeError(f"decision {decision_id}: devices kept joining while planning")
+
+
+def _proposed(
+    decision: RecoveryDecision,
+    answer: dict[str, Any],
+    schedule_timeout: Callable[[int, float], None] | None,
+) -> str:
+    job = decision.job
+    chosen = answer["chosen"]
+    summary = {
+        "search_time_s": answer["search_time_s"],
+        "chosen": chosen,
+        "codes": {c["policy"]: c["code"] for c in answer["candidates"]},
+    }
+    if chosen is None:
+        transition(decision.pk, DecisionStatus.FAILED, actor="planner", payload=summary,
+                   decision=answer, reason="no policy can recover the job")  # fmt: skip
+        Job.objects.filter(pk=job.pk).update(status=JobStatus.FAILED)
+        return DecisionStatus.FAILED
+    best_plan = answer["candidates"][chosen]["plan"]
+    deadline = None
+    if job.approval_mode == ApprovalMode.MANUAL_WITH_TIMEOUT:
+        deadline = timezone.now() + dt.timedelta(seconds=job.approval_timeout_s)
+    transition(
+        decision.pk,
+        DecisionStatus.PROPOSED,
+        actor="planner",
+        payload=summary,
+        decision=answer,
+        chosen=chosen,
+        plan=best_plan,
+        deadline_at=deadline,
+    )
+    if job.approval_mode == ApprovalMode.AUTO:
+        apply_proposal(decision.pk, actor="auto")
+        return DecisionStatus.AUTO_APPLIED
+    if deadline is not None and schedule_timeout is not None:
+        transaction.on_commit(lambda: schedule_timeout(decision.pk, job.approval_timeout_s))
+    return DecisionStatus.PROPOSED
+
+
+# --- choosing ------------------------------------------------------------------------------
+
+
+def apply_proposal(decision_id: int, *, actor: str) -> RecoveryDecision:
+    """The job's mode applies the proposal: at once (``auto``) or at the deadline."""
+    return transition(decision_id, DecisionStatus.AUTO_APPLIED, actor=actor)
+
+
+def apply_after_deadline(decision_id: int) -> str:
+    """``manual_with_timeout``: apply the proposal if nobody chose before the deadline."""
+    decision = RecoveryDecision.objects.get(pk=decision_id)
+    if decision.status != DecisionStatus.PROPOSED:
+        return decision.status  # chosen, superseded or already applied
+    if decision.deadline_at is not None and timezone.now() < decision.deadline_at:
+        return decision.status  # too early (a clock skew or an early redelivery)
+    try:
+        return apply_proposal(decision_id, actor="timeout").status
+    except IllegalTransition:
+        return RecoveryDecision.objects.get(pk=decision_id).status  # an operator won the race
+
+
+def approve(decision_id: int, *, user: AbstractBaseUser, reason: str = "") -> RecoveryDecision:
+    """An operator approves the proposal."""
+    return transition(
+        decision_id,
+        DecisionStatus.APPROVED,
+        actor=user.get_username(),
+        payload={"reason": reason},
+        chosen_by=user,
+        reason=reason,
+    )
+
+
+def override(
+    decision_id: int,
+    *,
+    user: AbstractBaseUser,
+    candidate: int | None = None,
+    edited_plan: Any = None,
+    reason: str = "",
+) -> RecoveryDecision:
+    """An operator picks another feasible candidate, or writes a plan the core validates.
+
+    ``rows.InvalidScenario`` names the field at fault (``candidate``, or a path inside
+    ``plan``); nothing changes then.
+    """
+    decision = RecoveryDecision.objects.select_related("job").get(pk=decision_id)
+    if (candidate is None) == (edited_plan is None):
+        raise rows.InvalidScenario(
+            "give either a candidate index or an edited plan", field="candidate"
+        )
+    if candidate is not None:
+        candidates = decision.candidates
+        if not 0 <= candidate < len(candidates):
+            raise rows.InvalidScenario(
+                f"no candidate {candidate}; this decision has {len(candidates)}",
+                field="candidate",
+            )
+        if candidates[candidate]["code"] != "ok":
+            raise rows.InvalidScenario(
+                f"candidate {candidate} ({candidates[candidate]['policy']}) does not apply: "
+                f"[{candidates[candidate]['code']}] {candidates[candidate]['note']}",
+                field="candidate",
+            )
+        plan = candidates[candidate]["plan"]
+    else:
+        job = decision.job
+        plan = rows.validate_override(job.scenario, job.plan, failed_devices(job), edited_plan)
+    return transition(
+        decision_id,
+        DecisionStatus.OVERRIDDEN,
+        actor=user.get_username(),
+        payload={"reason": reason, "candidate": candidate, "edited": candidate is None},
+        chosen=candidate,
+        plan=plan,
+        chosen_by=user,
+        reason=reason,
+    )
+
+
+# --- what-if -------------------------------------------------------------------------------
+
+
+def what_if(job: Job, *, devices: Iterable[int], kind: str = "crash") -> dict[str, Any]:
+    """What every enabled policy would do if ``devices`` failed now; nothing is written."""
+    devices = sorted(set(devices))
+    total = Device.objects.filter(job=job).count()
+    unknown = [d for d in devices if not 0 <= d < total]
+    if not devices or unknown:
+        raise rows.InvalidScenario(
+            f"name devices of the job (ids 0..{total - 1}); got {devices}", field="devices"
+        )
+    return rows.decide_for(
+        job.scenario,
+        job.plan,
+        failed_devices(job) | set(devices),
+        kind=kind,
+        devices=devices,
+        policies=list(job.enabled_policies),
+    )
+
+
+__all__ = [
+    "FailureSource",
+    "IllegalTransition",
+    "apply_after_deadline",
+    "approve",
+    "override",
+    "plan",
+    "record_failure",
+    "transition",
+    "what_if",
+]

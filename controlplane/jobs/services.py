@@ -1,0 +1,83 @@
+"""Creating jobs: a scenario checked by the core becomes a job, its nodes, devices and token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from controlplane.bridge import rows
+from controlplane.jobs.models import (
+    AgentToken,
+    ApprovalMode,
+    Device,
+    DeviceState,
+    Job,
+    Node,
+)
+
+
+@transaction.atomic
+def create_job(
+    name: str,
+    scenario: Any,
+    *,
+    approval_mode: str = ApprovalMode.AUTO,
+    approval_timeout_s: float = 300.0,
+    enabled_policies: Any = (),
+) -> tuple[Job, str]:
+    """The job of a scenario, with a node row per host and a device row per device (spares
+    marked spare); returns it and its agent token, which is stored only as a digest.
+
+    The core checks the scenario and the policies (``rows.InvalidScenario`` names the field at
+    fault); nothing is written when they fail.
+    """
+    parsed = rows.parse_scenario(scenario)
+    policies = rows.check_policies(list(enabled_policies), parsed)
+    if approval_mode not in ApprovalMode.values:
+        raise rows.InvalidScenario(
+            f"unknown mode {approval_mode!r}; known: {', '.join(ApprovalMode.values)}",
+            field="approval_mode",
+        )
+    if not approval_timeout_s > 0:
+        raise rows.InvalidScenario("must be > 0", field="approval_timeout_s")
+    if Job.objects.filter(name=name).exists():
+        raise rows.InvalidScenario(f"a job named {name!r} exists already", field="name")
+    devices, spares, per_node = rows.cluster_layout(parsed)
+    plan = scenario["plan"]
+    job = Job.objects.create(
+        name=name,
+        scenario=scenario,
+        plan=plan,
+        approval_mode=approval_mode,
+        approval_timeout_s=approval_timeout_s,
+        enabled_policies=policies,
+    )
+    total = devices + spares
+    nodes = Node.objects.bulk_create(
+        Node(job=job, name=f"node-{i}", index=i) for i in range(-(-total // per_node))
+    )
+    used = {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+    failed = set(scenario.get("failed", ()))
+    Device.objects.bulk_create(
+        Device(
+            job=job,
+            node=nodes[index // per_node],
+            index=index,
+            state=DeviceState.FAILED
+            if index in failed
+            else DeviceState.HEALTHY
+            if index in used
+            else DeviceState.SPARE,
+        )
+        for index in range(total)
+    )
+    _, token = AgentToken.issue(job)
+    return job, token
+
+
+def failed_devices(job: Job) -> set[int]:
+    """The devices of ``job`` that are down now."""
+    return set(
+        Device.objects.filter(job=job, state=DeviceState.FAILED).values_list("index", flat=True)
+    )
