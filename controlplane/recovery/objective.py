@@ -27,4 +27,3 @@ def objective(
     if math.isinf(t_state_s):
         return throughput
     return throughput * t_state_s / (transition_s + t_state_s)
-
