@@ -5,8 +5,8 @@ on N = 8, 16, 32, 64 nodes of M GPUs (M = 1 as in Oobleck's evaluation), f = 1, 
 (Oobleck's DP has none, oobleck.md §8 item 7), so n0 = 1 and there is one template for each of
 1 … min(N − 1, L / M) nodes. We time, in the same run:
 
-* ``ours``: ``controlplane.recovery.templates.build_templates`` from cold caches, the exact
-  min-max partition search over the stages of each template;
+* ``ours``: ``build_templates`` (``controlplane/recovery/policies/oobleck/templates.py``) from
+  cold caches, the exact min-max partition search over the stages of each template;
 * ``rank``: ``split_at`` for every template at ``--micro-batches`` per pipeline, from cold
   caches: the eq. 11 ranking Oobleck does when it instantiates a template for a pipeline's
   share (only for the sizes it uses, once per stage count and share; timed here for all);
@@ -66,8 +66,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results import write_results
-from controlplane.recovery import templates as core
-from controlplane.recovery.model import ModelProfile
+from controlplane.recovery.model import Layers, ModelProfile
+from controlplane.recovery.policies.oobleck import templates as core
 
 GB = 1e9
 NODES = [8, 16, 32, 64]
@@ -182,7 +182,7 @@ class PaperDP:
         self.memo[key] = best
         return best
 
-    def split(self, stages: int, u: int, v: int, d: int) -> core.Layers:
+    def split(self, stages: int, u: int, v: int, d: int) -> Layers:
         """The layer ranges of the memoised best mapping of T(stages, u, v, d)."""
         sub = self.memo[(stages, u, v, d)]
         assert sub is not None
@@ -191,7 +191,7 @@ class PaperDP:
         s, k, m = sub.choice
         return self.split(s, u, k, m) + self.split(stages - s, k, v, d - m)
 
-    def template(self, nodes: int) -> tuple[core.Layers, float] | None:
+    def template(self, nodes: int) -> tuple[Layers, float] | None:
         """The template of ``nodes`` nodes, one GPU per stage: T(n·M, 0, L, n·M)."""
         stages = nodes * self.m
         found = self.solve(stages, 0, self.profile.layers, stages)
@@ -200,7 +200,7 @@ class PaperDP:
         return self.split(stages, 0, self.profile.layers, stages), found.t
 
 
-def paper_time(profile: ModelProfile, layers: core.Layers) -> float:
+def paper_time(profile: ModelProfile, layers: Layers) -> float:
     """Eq. 1-3 for one split, k* the slowest stage (the last of equals), N_b = 4S."""
     work = [profile.fwd(*r) + profile.bwd(*r) for r in layers]
     stages = len(work)
@@ -255,7 +255,7 @@ def measure(
 
     started = time.perf_counter()
     dp = PaperDP(profile, gpus_per_node, deadline=started + baseline_budget_s)
-    found: dict[int, tuple[core.Layers, float] | None] = {}
+    found: dict[int, tuple[Layers, float] | None] = {}
     complete = True
     try:
         for template in built.templates:  # smallest first, so a cut run still checks some

@@ -16,6 +16,17 @@ from controlplane.recovery.errors import InvalidScenario, UnknownDevice
 BOUNDARY_FRACTION_OF_ACTIVATIONS = 2 / 34
 
 
+# Half-open layer range [first, end); a split of the layers into stages; a device group.
+LayerRange = tuple[int, int]
+Layers = tuple[LayerRange, ...]
+Group = tuple[int, ...]
+
+
+def bytes_per_s(gbps: float | None) -> float:
+    """A link or storage bandwidth in gigabits per second as bytes per second; none: infinite."""
+    return math.inf if gbps is None else gbps * 1e9 / 8
+
+
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
     return (0.0, *accumulate(values))
 
@@ -153,13 +164,13 @@ class Cluster:
     def bandwidth_bytes_per_s(self, a: int, b: int) -> float:
         """Link bandwidth between two devices; infinite when the scenario gives none."""
         gbps = self.intra_node_gbps if self.node_of(a) == self.node_of(b) else self.inter_node_gbps
-        return math.inf if gbps is None else gbps * 1e9 / 8
+        return bytes_per_s(gbps)
 
     def group_bandwidth_bytes_per_s(self, devices: Sequence[int]) -> float:
         """Slowest link inside a communication group."""
         nodes = {self.node_of(d) for d in devices}
         gbps = self.intra_node_gbps if len(nodes) <= 1 else self.inter_node_gbps
-        return math.inf if gbps is None else gbps * 1e9 / 8
+        return bytes_per_s(gbps)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from controlplane.recovery.model import (
     ClusterState,
     ExecutionPlan,
     Family,
+    Layers,
     ModelProfile,
     Pipeline,
     Stage,
@@ -50,7 +51,6 @@ from controlplane.recovery.model import (
 )
 from controlplane.recovery.restorer import Placement, place
 
-Layers = tuple[tuple[int, int], ...]
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 

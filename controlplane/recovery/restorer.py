@@ -15,10 +15,8 @@ import numpy as np
 
 from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan, InvalidScenario
-from controlplane.recovery.model import Cluster, ExecutionPlan, ModelProfile
+from controlplane.recovery.model import Cluster, ExecutionPlan, Group, LayerRange, ModelProfile
 
-LayerRange = tuple[int, int]
-Group = tuple[int, ...]
 # bytes a group lacks for a slot, and its pieces: (layers, bytes, ranges of holders to ask)
 _Pieces = tuple[float, list[tuple[LayerRange, float, list[LayerRange]]]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from benchmarks.oobleck_templates import PaperDP, llama2_70b, measure, paper_time
-from controlplane.recovery.templates import build_templates
+from controlplane.recovery.policies.oobleck.templates import build_templates
 
 
 def test_core_and_paper_dp_agree_on_12_layers_and_4_nodes() -> None:

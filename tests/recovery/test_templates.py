@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.time import estimate_step_time
-from controlplane.recovery.model import Cluster, ModelProfile, Training
+from controlplane.recovery.model import Cluster, Layers, ModelProfile, Training
 from controlplane.recovery.policies.oobleck import instantiate
-from controlplane.recovery.templates import Layers, best_split, split_at, step_time
+from controlplane.recovery.policies.oobleck.templates import best_split, split_at, step_time
 from tests.recovery.builders import small_profiles
 
 SETTINGS = settings(max_examples=150, deadline=None)

@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from controlplane.recovery.model import ExecutionPlan
-
-LayerRange = tuple[int, int]
-Group = tuple[int, ...]
+from controlplane.recovery.model import ExecutionPlan, Group, LayerRange
 
 
 @dataclass(frozen=True, slots=True)

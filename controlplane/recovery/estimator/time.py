@@ -16,6 +16,7 @@ from controlplane.recovery.model import (
     ModelProfile,
     Pipeline,
     Stage,
+    bytes_per_s,
 )
 
 
@@ -233,12 +234,9 @@ def gradient_sync_floor_s(
     if cluster.communication_is_free or dp <= 1 or groups < dp:
         return 0.0
 
-    def bandwidth(gbps: float | None) -> float:
-        return math.inf if gbps is None else gbps * 1e9 / 8
-
-    fastest = bandwidth(cluster.inter_node_gbps)
+    fastest = bytes_per_s(cluster.inter_node_gbps)
     if dp * tp <= cluster.devices_per_node:
-        fastest = max(fastest, bandwidth(cluster.intra_node_gbps))
+        fastest = max(fastest, bytes_per_s(cluster.intra_node_gbps))
     layers = profile.layers
     widest = -(-layers // min(groups // dp, layers))
     least = min(profile.grad_bytes(i, i + widest) for i in range(layers - widest + 1))

@@ -27,7 +27,6 @@ from controlplane.recovery.model import (
 )
 from controlplane.recovery.planner import even_splits
 from controlplane.recovery.policies.base import SteadyCosts, score
-from controlplane.recovery.policies.replacement import group_size
 
 
 def successor(stage: int, stages: int) -> int:
@@ -67,7 +66,7 @@ def shadow_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float
     Bamboo keeps no activation checkpoints, which eq. 14's full activations already assume.
     """
     peaks = peak_memory(profile, plan)
-    tp = group_size(plan)
+    tp = plan.tp
     for pipeline in plan.pipelines:
         stages = pipeline.depth
         if stages < 2:

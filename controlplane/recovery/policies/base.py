@@ -119,6 +119,12 @@ def score(
     )
 
 
+def unchanged(policy: str, state: ClusterState, *, extra_memory_bytes: float = 0.0) -> Candidate:
+    """The current plan at no cost: the fault hit no device the plan uses, so training never
+    stopped (a spare or an idle device failed)."""
+    return score(policy, state, state.plan, TransitionCost(), extra_memory_bytes=extra_memory_bytes)
+
+
 def interrupted_work_s(state: ClusterState) -> float:
     """Work lost to a fault under every policy: the interrupted step, redone after recovery.
 

@@ -18,13 +18,12 @@ from controlplane.recovery.model import (
     ModelProfile,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score, unchanged
 from controlplane.recovery.policies.replacement import (
     Copy,
     StageKey,
     broken_stages,
     copy_time_s,
-    group_size,
     replace_stages,
 )
 
@@ -96,7 +95,7 @@ def infeasibility(
     """
     plan = state.plan
     live = live_shards(state)
-    tp = group_size(plan)
+    tp = plan.tp
     for p, s in broken:
         stage = plan.pipelines[p].stages[s]
         # §6.1: a stage is lost when some shard has no healthy data-parallel copy left
@@ -159,14 +158,13 @@ def plan_checkfree(
     ``embedding_bytes`` of embedding and LM head next to its edge stages.
     """
     assumptions = state.assumptions
-    tp = group_size(state.plan)
+    tp = state.plan.tp
     # CheckFree+ keeps a copy of the embedding / LM head next to the edge stages (§3, §6.6);
     # score() charges it on every device, an upper bound for the two partner stages it sits on.
     extra_memory = embedding_bytes / tp if plus else 0.0
     broken = broken_stages(state)
     if not broken:
-        # the fault hit a device the plan does not use: training never stopped
-        return score(policy, state, state.plan, TransitionCost(), extra_memory_bytes=extra_memory)
+        return unchanged(policy, state, extra_memory_bytes=extra_memory)
     broken_rule = infeasibility(state, broken, plus=plus)
     if broken_rule is not None:
         return Candidate.declined(policy, *broken_rule)

@@ -15,9 +15,10 @@ from controlplane.recovery.model import (
     Failure,
     ModelProfile,
     TransitionCost,
+    bytes_per_s,
 )
-from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
-from controlplane.recovery.policies.replacement import broken_stages, group_size, replace_stages
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score, unchanged
+from controlplane.recovery.policies.replacement import broken_stages, replace_stages
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,19 @@ def checkpoint_load_s(
     """
     if assumptions.checkpoint_load_s is not None:
         return assumptions.checkpoint_load_s
-    tp = group_size(plan)
+    tp = plan.tp
     largest = max(profile.state_bytes(*stage.layers) / tp for _, _, stage in plan.stages())
-    return largest / (assumptions.storage_gbps * 1e9 / 8)
+    return largest / bytes_per_s(assumptions.storage_gbps)
 
 
-def rollback_steps(assumptions: Assumptions) -> float:
+def rollback_steps(interval_steps: int) -> float:
     """Completed steps thrown away on top of the interrupted one, on average.
 
     With faults uniform over a checkpoint interval of n steps, 0..n−1 completed steps are lost,
     (n − 1)/2 on average; with the interrupted step that every policy pays, (n + 1)/2 in all
     (FlashRecovery §1, §6: "redo t_ckpt/2").
     """
-    return max(assumptions.checkpoint_interval_steps - 1, 0) / 2
+    return max(interval_steps - 1, 0) / 2
 
 
 def rollback_s(state: ClusterState, step_s: float) -> float:
@@ -71,7 +72,7 @@ def rollback_s(state: ClusterState, step_s: float) -> float:
     """
     if state.completed_since_checkpoint_s is not None:
         return state.completed_since_checkpoint_s
-    return rollback_steps(state.assumptions) * step_s
+    return rollback_steps(state.assumptions.checkpoint_interval_steps) * step_s
 
 
 def plan_checkpoint(
@@ -80,8 +81,7 @@ def plan_checkpoint(
     """Restart the whole job on the same plan, broken groups swapped for spares."""
     broken = broken_stages(state)
     if not broken:
-        # the fault hit a device the plan does not use: training never stopped
-        return score(policy, state, state.plan, TransitionCost())
+        return unchanged(policy, state)
     try:
         replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:

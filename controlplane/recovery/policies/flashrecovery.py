@@ -15,12 +15,11 @@ from controlplane.recovery.model import (
     FailureKind,
     TransitionCost,
 )
-from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score, unchanged
 from controlplane.recovery.policies.replacement import (
     Copy,
     broken_stages,
     copy_time_s,
-    group_size,
     replace_stages,
 )
 
@@ -65,14 +64,13 @@ def plan_flashrecovery(
     """
     broken = broken_stages(state)
     if not broken:
-        # the fault hit a device the plan does not use: training never stopped
-        return score(policy, state, state.plan, TransitionCost())
+        return unchanged(policy, state)
     try:
         replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
         return Candidate.declined(policy, exc.decline, str(exc))
     plan = state.plan
-    tp = group_size(plan)
+    tp = plan.tp
     holders = shard_holders(state)
     for p, s in broken:
         layers = plan.pipelines[p].stages[s].layers

@@ -22,17 +22,6 @@ from controlplane.recovery.model import (
 StageKey = tuple[int, int]
 
 
-def group_size(plan: ExecutionPlan) -> int:
-    """Devices per tensor-parallel group, read from a stage that runs on its own group.
-
-    ``ExecutionPlan.tp`` reads the first stage, which lists its peers' groups when rerouted.
-    """
-    for _, _, stage in plan.stages():
-        if not stage.rerouted:
-            return len(stage.devices)
-    return plan.tp
-
-
 def broken_stages(state: ClusterState) -> tuple[StageKey, ...]:
     """Stages that have no group of their own any more, in plan order.
 
@@ -101,7 +90,7 @@ def replace_stages(state: ClusterState, stages: Sequence[StageKey]) -> Replaceme
     Survivors of a replaced group are left idle. Raises InfeasiblePlan when spares are too few.
     """
     plan = state.plan
-    tp = group_size(plan)
+    tp = plan.tp
     groups = dict(
         zip(
             stages,

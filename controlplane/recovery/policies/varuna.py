@@ -14,19 +14,17 @@ from controlplane.recovery.model import (
     Failure,
     ModelProfile,
     TransitionCost,
+    bytes_per_s,
 )
 from controlplane.recovery.planner import realize, search, usable_groups
-from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
+from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score, unchanged
+from controlplane.recovery.policies.checkpoint import rollback_steps
 from controlplane.recovery.policies.replacement import broken_stages
 
 
 def checkpoint_bytes(profile: ModelProfile) -> float:
     """One copy of the model's parameters and optimizer state (m_p + m_o of every layer)."""
     return profile.state_bytes(0, profile.layers)
-
-
-def _storage_bytes_per_s(assumptions: Assumptions) -> float:
-    return assumptions.storage_gbps * 1e9 / 8
 
 
 def checkpoint_write_s(
@@ -36,7 +34,7 @@ def checkpoint_write_s(
     measured time when given, else the checkpoint's bytes over the storage bandwidth."""
     if measured_s is not None:
         return measured_s
-    return checkpoint_bytes(profile) / _storage_bytes_per_s(assumptions)
+    return checkpoint_bytes(profile) / bytes_per_s(assumptions.storage_gbps)
 
 
 def checkpoint_overhead(step_time_s: float, checkpoint_s: float, interval_steps: int) -> float:
@@ -52,14 +50,8 @@ def restart_s(profile: ModelProfile, assumptions: Assumptions, init_s: float) ->
     """oobleck.md §5: init_s + checkpoint bytes / storage bandwidth (the load cannot overlap)."""
     load = assumptions.checkpoint_load_s
     if load is None:
-        load = checkpoint_bytes(profile) / _storage_bytes_per_s(assumptions)
+        load = checkpoint_bytes(profile) / bytes_per_s(assumptions.storage_gbps)
     return init_s + load
-
-
-def rollback_steps(interval_steps: int) -> float:
-    """Completed steps redone after a restart, on average: (k − 1)/2 for faults uniform over an
-    interval of k steps; with the interrupted step every policy pays, (k + 1)/2 in all."""
-    return max(interval_steps - 1, 0) / 2
 
 
 @dataclass(frozen=True)
@@ -87,8 +79,7 @@ class VarunaPolicy(SteadyCosts):
 
     def _candidate(self, state: ClusterState) -> Candidate:
         if not broken_stages(state):
-            # the fault hit no device of the plan: training never stopped
-            return score(self.name, state, state.plan, TransitionCost())
+            return unchanged(self.name, state)
         # job morphing restarts on whatever healthy devices there are, spares included
         groups = usable_groups(state, include_spares=True)
         micro_batches = state.training.micro_batches
@@ -131,5 +122,4 @@ __all__ = [
     "checkpoint_overhead",
     "checkpoint_write_s",
     "restart_s",
-    "rollback_steps",
 ]

@@ -30,7 +30,7 @@ from controlplane.recovery.policies.oobleck import (
     instantiate,
     repair_pipelines,
 )
-from controlplane.recovery.templates import (
+from controlplane.recovery.policies.oobleck.templates import (
     TemplateSet,
     best_instantiation,
     best_split,

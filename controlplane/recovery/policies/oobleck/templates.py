@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 
 from controlplane.recovery.estimator.batch import pipeline_times
-from controlplane.recovery.model import ModelProfile
+from controlplane.recovery.model import Layers, ModelProfile
 
-Layers = tuple[tuple[int, int], ...]
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 # Oobleck §4.1.2: the bubble is negligible with N_b ≥ 4S' micro-batches, so planning assumes 4S'.

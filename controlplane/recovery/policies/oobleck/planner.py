@@ -1,10 +1,9 @@
-"""Oobleck (SOSP '23): repair damaged pipelines from pipeline templates, copying lost layers."""
+"""Oobleck's planner (SOSP '23): node layout, pipeline repair (§5.1) and instantiation (§4.2)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -13,27 +12,17 @@ from controlplane.recovery.codes import Code, Declined
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.time import cached_pipeline_time, p2p_times, stage_times
 from controlplane.recovery.model import (
-    Candidate,
     Cluster,
-    ClusterState,
     ExecutionPlan,
-    Failure,
     Family,
+    Group,
+    LayerRange,
     ModelProfile,
     Pipeline,
     Stage,
     Training,
-    TransitionCost,
 )
-from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
-from controlplane.recovery.policies.replacement import group_size
-from controlplane.recovery.restorer import (
-    Placement,
-    held_ranges,
-    missing_bytes,
-    place_in_device_order,
-)
-from controlplane.recovery.templates import (
+from controlplane.recovery.policies.oobleck.templates import (
     PipelineTemplate,
     TemplateSet,
     best_instantiation,
@@ -41,9 +30,13 @@ from controlplane.recovery.templates import (
     split_at,
     water_fill,
 )
+from controlplane.recovery.restorer import (
+    Placement,
+    held_ranges,
+    missing_bytes,
+    place_in_device_order,
+)
 
-Group = tuple[int, ...]
-LayerRange = tuple[int, int]
 NodeList = tuple[int, ...]
 
 
@@ -156,7 +149,7 @@ def _merge(pipelines: list[list[int]], min_nodes: int) -> list[list[int]]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Draft:
+class Draft:
     """A pipeline before its batch share: its nodes, its stages, and whether a template made it
     (a template pipeline's split is chosen again at its share; a kept pipeline stays as it is)."""
 
@@ -165,13 +158,13 @@ class _Draft:
     from_template: bool = True
 
 
-def _assign_nodes(
+def assign_nodes(
     profile: ModelProfile,
     layout: NodeLayout,
     old_plan: ExecutionPlan | None,
     nodes: Sequence[int],
     templates: Sequence[PipelineTemplate],
-) -> list[_Draft]:
+) -> list[Draft]:
     """Put ``nodes`` on the templates' node positions so that the fewest state bytes move.
 
     Kuhn-Munkres over (node, position); a position is a node's worth of consecutive stages and
@@ -221,7 +214,7 @@ def _assign_nodes(
         for j, (slot, g) in enumerate(zip(slots, cost(node, slots)[1], strict=True)):
             stages[p][i * per_node + j] = Stage(devices=groups[node][g], layers=slot)
     return [
-        _Draft(
+        Draft(
             nodes=tuple(n for _, n in sorted(members[p])),
             stages=tuple(s for s in stages[p] if s is not None),
         )
@@ -229,12 +222,12 @@ def _assign_nodes(
     ]
 
 
-def _finish(
+def finish(
     profile: ModelProfile,
     cluster: Cluster,
     training: Training,
     old_plan: ExecutionPlan | None,
-    drafts: Sequence[_Draft],
+    drafts: Sequence[Draft],
 ) -> tuple[ExecutionPlan, Placement] | Declined:
     """Share the batch by water-filling, split each template pipeline for its share, and cost the
     weight copy (oobleck.md §7).
@@ -245,12 +238,12 @@ def _finish(
     """
     drafts = sorted(drafts, key=lambda d: (len(d.nodes), d.nodes))
 
-    def stages_at(draft: _Draft, micro_batches: int) -> tuple[Stage, ...]:
+    def stages_at(draft: Draft, micro_batches: int) -> tuple[Stage, ...]:
         if not draft.from_template:
             return draft.stages
         return _split_for_share(profile, cluster, draft, micro_batches)
 
-    def step_s(draft: _Draft) -> Callable[[int], float]:
+    def step_s(draft: Draft) -> Callable[[int], float]:
         def at(micro_batches: int) -> float:
             stages = stages_at(draft, micro_batches)
             t_f, t_b = stage_times(profile, stages)
@@ -280,12 +273,12 @@ def _finish(
         profile, cluster, old_plan, [g for g, _ in pairs], [r for _, r in pairs]
     )
     if old_plan is not None and placement.unsourced_layers:
-        return _layer_lost(placement.unsourced_layers)
+        return layer_lost(placement.unsourced_layers)
     return plan, placement
 
 
 def _split_for_share(
-    profile: ModelProfile, cluster: Cluster, draft: _Draft, micro_batches: int
+    profile: ModelProfile, cluster: Cluster, draft: Draft, micro_batches: int
 ) -> tuple[Stage, ...]:
     """The draft's stages on the split ``split_at`` ranks first at this share; devices stay.
 
@@ -299,7 +292,7 @@ def _split_for_share(
     return tuple(replace(s, layers=r) for s, r in zip(stages, split, strict=True))
 
 
-def _layer_lost(ranges: Sequence[LayerRange]) -> Declined:
+def layer_lost(ranges: Sequence[LayerRange]) -> Declined:
     listed = ", ".join(f"[{a}, {b})" for a, b in ranges)
     return Declined(
         Code.NO_LIVE_REPLICA,
@@ -347,10 +340,10 @@ def reinstantiate(
         )
     sizes, _ = chosen
     picked = [templates.get(n) for n in sizes]
-    drafts = _assign_nodes(
+    drafts = assign_nodes(
         profile, layout, old_plan, sorted(nodes), [t for t in picked if t is not None]
     )
-    return _finish(profile, cluster, training, old_plan, drafts)
+    return finish(profile, cluster, training, old_plan, drafts)
 
 
 def instantiate(
@@ -368,7 +361,7 @@ def instantiate(
         profile, nodes, layout.stages_per_node, f, tp, cluster.device_memory_bytes
     )
     if templates is None:
-        oom = _template_oom(profile, layout)
+        oom = template_oom(profile, layout)
         raise InfeasiblePlan(oom.note, decline=oom.code)
     found = reinstantiate(profile, cluster, training, layout, templates, range(nodes), f)
     if isinstance(found, Declined):
@@ -376,14 +369,14 @@ def instantiate(
     return found[0]
 
 
-def _template_oom(profile: ModelProfile, layout: NodeLayout) -> Declined:
+def template_oom(profile: ModelProfile, layout: NodeLayout) -> Declined:
     return Declined(
         Code.OUT_OF_MEMORY,
         f"no template with 1..{profile.layers // layout.stages_per_node} nodes fits device memory",
     )
 
 
-def _plan_nodes(plan: ExecutionPlan, layout: NodeLayout) -> list[NodeList]:
+def plan_nodes(plan: ExecutionPlan, layout: NodeLayout) -> list[NodeList]:
     """Each pipeline's nodes in stage order (rerouted stages borrow other pipelines' groups)."""
     return [
         tuple(
@@ -391,194 +384,3 @@ def _plan_nodes(plan: ExecutionPlan, layout: NodeLayout) -> list[NodeList]:
         )
         for p in plan.pipelines
     ]
-
-
-@dataclass(frozen=True)
-class OobleckPolicy(SteadyCosts):
-    """Oobleck: reinstantiate, borrow or merge the damaged pipelines from templates (§5).
-
-    ``f``: failures to tolerate, f + 1 pipelines kept (Oobleck §3, §7.1; the paper leaves f
-    unstated, its code defaults to 3). ``regroup_s``: the communication teardown and rebuild
-    after a repair; the paper reports no reconfiguration time, so 2 s, the low end of its
-    artifact's 2-10 s per failure. ``replan``: also propose the best re-instantiation (§4.2).
-    """
-
-    f: int = 1
-    regroup_s: float = 2.0
-    replan: bool = False
-    name: ClassVar[str] = "oobleck"
-
-    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
-        profile, cluster, plan = state.profile, state.cluster, state.plan
-        f = self.f
-        layout = node_layout(cluster, group_size(plan))
-        if isinstance(layout, Declined):
-            return [Candidate.declined(self.name, *layout)]
-        templates = build_templates(
-            profile,
-            layout.whole_nodes(cluster.devices),
-            layout.stages_per_node,
-            f,
-            layout.tp,
-            cluster.device_memory_bytes,
-        )
-        if templates is None:
-            return [Candidate.declined(self.name, *_template_oom(profile, layout))]
-
-        # §8 item 10: a node with any failed device is lost as a whole
-        lost = {layout.node_of(d) for d in state.failed}
-        pipelines = _plan_nodes(plan, layout)
-        if not any(
-            lost.intersection(nodes) or any(s.rerouted for s in p.stages)
-            for nodes, p in zip(pipelines, plan.pipelines, strict=True)
-        ):
-            # the fault hit no node of the plan: training never stopped
-            return [score(self.name, state, plan, TransitionCost())]
-        whole = layout.whole_nodes(cluster.total_devices)
-        in_plan = {n for nodes in pipelines for n in nodes}
-        # a node cut short by the end of the cluster cannot host a template's node of stages
-        dropped = lost | {n for n in in_plan if n >= whole}
-        damaged = [
-            bool(dropped.intersection(nodes)) or any(s.rerouted for s in p.stages)
-            for nodes, p in zip(pipelines, plan.pipelines, strict=True)
-        ]
-        kept = sorted(in_plan - dropped)
-        joiners = [n for n in range(whole) if n not in in_plan and n not in lost]
-        healthy = len(kept) + len(joiners)
-        if healthy < (f + 1) * templates.n0:
-            return [
-                Candidate.declined(
-                    self.name,
-                    Code.TOO_FEW_NODES,
-                    f"{healthy} healthy nodes < (f+1)·n0 = "
-                    f"{(f + 1) * templates.n0}; Oobleck saves progress and stops until a "
-                    "checkpoint restart",
-                )
-            ]
-        missing = _unheld_layers(profile.layers, plan, layout, set(kept))
-        if missing:
-            return [Candidate.declined(self.name, *_layer_lost(missing))]
-
-        notes = []
-        hit = {layout.node_of(d) for d in failure.devices}
-        if len(hit) > f:
-            notes.append(
-                f"beyond_f: {len(hit)} simultaneous node failures > f={f}; recovered because "
-                "every layer kept a replica"
-            )
-        if any(set(layout.devices(n)) - state.failed for n in lost & in_plan if n < whole):
-            notes.append("partial node loss: Oobleck drops the whole node (oobleck.md §8 item 10)")
-
-        candidates: list[Candidate] = []
-        repaired = self._repair(state, layout, templates, pipelines, damaged, dropped)
-        if isinstance(repaired, tuple):
-            candidates.append(self._score(state, *repaired, notes=notes))
-        if isinstance(repaired, str) or self.replan:
-            why = [] if not isinstance(repaired, str) else [f"re-instantiated: {repaired}"]
-            again = reinstantiate(
-                profile, cluster, state.training, layout, templates, kept + joiners, f, plan
-            )
-            if isinstance(again, Declined):
-                note = again.note
-                if isinstance(repaired, str):
-                    note = f"{note} (local repair: {repaired})"
-                candidates.append(Candidate.declined(self.name, again.code, note))
-            else:
-                candidates.append(self._score(state, *again, notes=[*why, *notes]))
-        return candidates
-
-    def _repair(
-        self,
-        state: ClusterState,
-        layout: NodeLayout,
-        templates: TemplateSet,
-        pipelines: list[NodeList],
-        damaged: list[bool],
-        lost: set[int],
-    ) -> tuple[ExecutionPlan, Placement] | str:
-        """§5.1 on the current pipelines; why not when the paper's repair falls short (the
-        re-instantiation is tried next)."""
-        f = self.f
-        flat = [n for nodes in pipelines for n in nodes]
-        if len(flat) != len(set(flat)):
-            return "pipelines of the current plan share nodes; Oobleck repairs whole-node pipelines"
-        try:
-            repaired = repair_pipelines(pipelines, lost, templates.n0)
-        except InfeasiblePlan as exc:
-            return f"merge impossible: {exc}"
-        if len(repaired) < f + 1:
-            # §8 item 5: borrowing and merging never split a big pipeline
-            return f"local repair leaves {len(repaired)} pipelines < f+1 = {f + 1}"
-        unchanged = {
-            frozenset(nodes): p
-            for nodes, p, hurt in zip(pipelines, state.plan.pipelines, damaged, strict=True)
-            if not hurt
-        }
-        drafts = []
-        for index, nodes in enumerate(repaired):
-            same = unchanged.get(frozenset(nodes))
-            if same is not None:
-                # treated as it is: the scenario's pipelines need not come from templates
-                drafts.append(_Draft(nodes=nodes, stages=same.stages, from_template=False))
-                continue
-            template = templates.get(len(nodes))
-            if template is None:
-                return (
-                    f"no_template: no pipeline template fits the {len(nodes)} nodes of "
-                    f"pipeline {index}"
-                )
-            drafts.extend(_assign_nodes(state.profile, layout, state.plan, nodes, [template]))
-        done = _finish(state.profile, state.cluster, state.training, state.plan, drafts)
-        return done.note if isinstance(done, Declined) else done
-
-    def _score(
-        self,
-        state: ClusterState,
-        plan: ExecutionPlan,
-        placement: Placement,
-        *,
-        notes: Sequence[str],
-    ) -> Candidate:
-        transition = TransitionCost(
-            detection_s=state.assumptions.detection_s,
-            # Repair and batch split take milliseconds at fault time (templates were built at
-            # job start); charged like every policy's search so candidates stay deterministic.
-            search_s=state.assumptions.search_s,
-            weight_transfer_s=placement.transfer_s,
-            restart_s=self.regroup_s,
-            # §7.4.2: at most the interrupted iteration is lost
-            lost_work_s=interrupted_work_s(state),
-        )
-        candidate = score(self.name, state, plan, transition)
-        text = "; ".join([*notes, "batch split by water-filling, not eq. 6 (oobleck.md §7)"])
-        return replace(candidate, note=text) if candidate.feasible else candidate
-
-
-def _unheld_layers(
-    layers: int, plan: ExecutionPlan, layout: NodeLayout, kept: set[int]
-) -> list[LayerRange]:
-    """Layer ranges no group on a kept node holds: their state is gone (§4 step 6)."""
-    covered = sorted(
-        r
-        for g, r in held_ranges(plan).items()
-        if len({layout.node_of(d) for d in g}) == 1 and layout.node_of(g[0]) in kept
-    )
-    gaps: list[LayerRange] = []
-    reach = 0
-    for first, end in covered:
-        if first > reach:
-            gaps.append((reach, first))
-        reach = max(reach, end)
-    if reach < layers:
-        gaps.append((reach, layers))
-    return gaps
-
-
-__all__ = [
-    "NodeLayout",
-    "OobleckPolicy",
-    "instantiate",
-    "node_layout",
-    "reinstantiate",
-    "repair_pipelines",
-]
