@@ -2,7 +2,7 @@
 
 An 80-layer Llama-2-70B-like model (the first layer also holds the embedding, the last the head)
 on N = 8, 16, 32, 64 nodes of M GPUs (M = 1 as in Oobleck's evaluation), f = 1, no memory filter
-(Oobleck's DP has none, oobleck.md §8 item 7), so n0 = 1 and there is one template for each of
+(Oobleck's DP has none), so n0 = 1 and there is one template for each of
 1 … min(N − 1, L / M) nodes. We time, in the same run:
 
 * ``ours``: ``build_templates`` (``controlplane/recovery/policies/oobleck/templates.py``) from

@@ -1,7 +1,7 @@
 """CheckFree (seed 003) Table 2: wall-clock time to converge under stage failures, by method.
 
 The paper trains a 500M LLaMa on a 7-stage pipeline (one embedding stage that never fails, six
-transformer stages that fail at 5/10/16 % per stage-hour; checkfree.md §5) and reports the hours
+transformer stages that fail at 5/10/16 % per stage-hour; CheckFree §5) and reports the hours
 each method needs to reach validation loss 2.85. Here the simulator runs the same job
 (``examples/checkfree/llama-500m-pp6-dp1.json``: PP 6 × DP 1, 91.3 s per iteration, spares, a
 failed node back as a spare after ``--repair-hours``) under every method over the same drawn
@@ -15,7 +15,8 @@ Methods (the label, then what runs):
 * ``checkpointing``: the ``checkpoint`` policy, a checkpoint every 100 iterations (medium model).
 * ``redundant``: the ``bamboo`` policy (every stage also runs its successor's forward pass).
 * ``checkfree``: the paper's CheckFree runs, in which every transformer stage fails and a lost
-  edge stage is copied from its neighbour (checkfree.md §6.5): the ``checkfree_plus`` policy with
+  edge stage is copied from its neighbour (our fit to CheckFree Table 2): the ``checkfree_plus``
+  policy with
   CheckFree's penalty ``k_cf`` and no swap inflation.
 * ``checkfree_edges_reliable``: the ``checkfree`` policy as Pitstop ships it, which cannot rebuild
   an edge stage, so the edge stages are taken as reliable (paper §4.2) and never fail.

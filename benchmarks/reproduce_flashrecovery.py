@@ -39,7 +39,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 COMMAND = "python -m benchmarks.reproduce_flashrecovery"
 
 TP = 8
-BYTES_PER_PARAM = {"m_p": 2.0, "m_o": 12.0, "m_g": 2.0}  # flashrecovery.md §6 bytes_state
+BYTES_PER_PARAM = {
+    "m_p": 2.0,
+    "m_o": 12.0,
+    "m_g": 2.0,
+}  # bf16 weights and grads, fp32 master and Adam state (FlashRecovery §IV)
 MICRO_BATCHES_PER_PIPELINE = 8
 FLASHRECOVERY_DETECTION_S = 8.0
 VANILLA_DETECTION_S = 1800.0

@@ -1,7 +1,7 @@
 """Oobleck's Table 2 (SOSP '23) on the core's simulator: Oobleck, Bamboo and Varuna, 30 → 15 nodes.
 
 One node of 1 GPU (A40) is lost every 6 h, 1 h or 10 min (601.2 s, the artifact's value), 15
-removals, no repair; the run ends at the last removal (oobleck.md §6). Samples/s is samples
+removals, no repair; the run ends at the last removal (Oobleck §7.2). Samples/s is samples
 over that horizon, downtime included.
 
 Scenarios (``examples/oobleck/``) hold one per-system profile per model, calibrated so the
@@ -53,17 +53,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 NODES = 30
 REMOVALS = 15
-A40_MEMORY_BYTES = 40e9  # the paper's text says "40GB" (oobleck.md §6)
+A40_MEMORY_BYTES = 40e9  # the paper's text says "40GB" (Oobleck §7.1)
 # Oobleck §7.2 and the artifact's traces: one removal per interval; 10 min is 601.2 s there.
 INTERVALS_S = {"6h": 6 * 3600.0, "1h": 3600.0, "10min": 601.2}
-F = 3  # the artifact's default fault_threshold (oobleck.md §6: f is not stated in the text)
+F = 3  # the artifact's default fault_threshold (Oobleck §7 does not state f)
 SYSTEMS = ("oobleck", "bamboo", "varuna")
 BYTES_PER_PARAM = 4 + 8 + 4  # TF32 training: fp32 parameters, Adam's two moments, gradients
 
 
 @dataclass(frozen=True)
 class Paper:
-    """A model's setup, the artifact's constants and its numbers (oobleck.md §5-§6)."""
+    """A model's setup, the artifact's constants and its numbers (Oobleck §7.1-7.2, Table 2)."""
 
     name: str
     layers: int
@@ -102,7 +102,7 @@ PAPERS = {
         micro_batch=2,
         # The checkpointed input is 67 MB; eq. 14 has no term for the recompute working set, so
         # 0.2 GB stands in for it, which makes n0 = 4 and (f+1)·n0 = 16: the artifact's table is
-        # 0 at 15 nodes (oobleck.md §6, our inference).
+        # 0 at 15 nodes (our inference from Oobleck §7.2).
         m_a=0.2e9,
         bamboo_micro_batch=None,
         bamboo_m_a=_activations(2048, 4096, 32, 1, checkpointed=False),
@@ -222,7 +222,7 @@ def _varuna_plan(profile: ModelProfile, cluster: Cluster, training: Training) ->
 
 def _assumptions(paper: Paper) -> dict[str, Any]:
     # Varuna's restart = init_s + checkpoint_load_s = (r − c) + c: the artifact's pause r − c,
-    # then its one checkpoint (oobleck.md §5)
+    # then its one checkpoint (Oobleck's artifact simulator)
     return {"checkpoint_load_s": paper.varuna_checkpoint_s}
 
 

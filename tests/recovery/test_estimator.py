@@ -70,7 +70,8 @@ def test_eq11_is_monotone_and_above_lower_bound(
 ) -> None:
     t_b = data.draw(st.lists(st.floats(0.01, 5), min_size=len(t_f), max_size=len(t_f)))
     base = pipeline_time(t_f, t_b, m)
-    # odyssey.md §5.1: stage b waits for micro-batch 0, runs m passes, sends the gradient back
+    # the bound of StageTable (planner.py): stage b waits for micro-batch 0, runs m passes, sends
+    # the gradient back
     lower = max(sum(t_f[:b]) + m * (t_f[b] + t_b[b]) + sum(t_b[:b]) for b in range(len(t_f)))
     assert base >= lower - 1e-9
     assert pipeline_time(t_f, t_b, m + 1) >= base

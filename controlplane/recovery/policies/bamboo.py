@@ -33,7 +33,7 @@ def successor(stage: int, stages: int) -> int:
     """The stage whose state and forward pass ``stage`` shadows: the next one, in a ring.
 
     The last stage shadows the first, as in the artifact simulator's search for the
-    predecessor of stage 0 (oobleck.md §5).
+    predecessor of stage 0 (Bamboo as Oobleck §7.1 describes it).
     """
     return (stage + 1) % stages
 
@@ -41,7 +41,8 @@ def successor(stage: int, stages: int) -> int:
 def redundancy_step_factor(profile: ModelProfile, plan: ExecutionPlan) -> float:
     """Bamboo's step-time factor without failures: every stage also runs its successor's forward.
 
-    oobleck.md §5 (Pitstop model): the slowest stage takes (F_s + B_s + F_{s+1})/(F_s + B_s) as
+    Pitstop's model of forward RC (Oobleck §7.1): the slowest stage takes (F_s + B_s +
+    F_{s+1})/(F_s + B_s) as
     long, 4/3 with B = 2F. Here the new bottleneck max_s(F_s + B_s + F_{s+1}) over the old one
     max_s(F_s + B_s), worst pipeline; a one-stage pipeline has no one to shadow. Candidates of
     this policy include it; the simulator multiplies a failure-free Bamboo step by it.
@@ -61,7 +62,8 @@ def redundancy_step_factor(profile: ModelProfile, plan: ExecutionPlan) -> float:
 
 
 def shadow_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
-    """Peak bytes per device: eq. 14 plus the successor stage's m_p + m_o + m_g (oobleck.md §5).
+    """Peak bytes per device: eq. 14 plus the successor stage's m_p + m_o + m_g (no activation
+    checkpointing, Oobleck §7.1).
 
     Bamboo keeps no activation checkpoints, which eq. 14's full activations already assume.
     """
@@ -95,7 +97,7 @@ def _over_memory(state: ClusterState, plan: ExecutionPlan, peaks: dict[int, floa
 
 
 def take_over(plan: ExecutionPlan, lost: set[tuple[int, int]]) -> tuple[ExecutionPlan, list[int]]:
-    """The plan after each lost stage's predecessor runs it (backward RC, oobleck.md §5).
+    """The plan after each lost stage's predecessor runs it (backward RC, Oobleck §7.1).
 
     A lost stage s > 0 joins its predecessor's group, which holds its state. Stage 0's shadow is
     the last stage, but a stage is one contiguous layer range, so stage 1's group runs it after

@@ -39,8 +39,9 @@ def choose_any_family(
     * re-planning over the surviving groups of the job (Odyssey's second family).
 
     The swap is what Odyssey with spares lacks: it wins when a re-plan's restart costs more than
-    the in-place one, or when rerouting is slow and a re-plan expensive (docs/reproduction/
-    odyssey.md measures where). Oobleck's template re-plans are a subset of the asymmetric
+    the in-place one, or when rerouting is slow and a re-plan expensive
+    (docs/reproduction/odyssey.md measures where). Oobleck's template re-plans are a subset of the
+    asymmetric
     re-plans (and lose whole nodes); checkpoint restart onto spares gives the swap's plan at a
     higher cost: neither can win, so neither is asked. The cheap options are scored first, then
     the re-plan with spares (the larger pool usually steps faster), then the one without: each

@@ -38,7 +38,8 @@ def checkpoint_write_s(
 
 
 def checkpoint_overhead(step_time_s: float, checkpoint_s: float, interval_steps: int) -> float:
-    """oobleck.md §5: share of failure-free wall time spent checkpointing, c / (k·t_step + c).
+    """Oobleck §7.1 and its artifact's simulator: share of failure-free wall time spent
+    checkpointing, c / (k·t_step + c).
 
     Not part of a candidate's step time; the simulator charges it while Varuna runs.
     """
@@ -47,7 +48,8 @@ def checkpoint_overhead(step_time_s: float, checkpoint_s: float, interval_steps:
 
 
 def restart_s(profile: ModelProfile, assumptions: Assumptions, init_s: float) -> float:
-    """oobleck.md §5: init_s + checkpoint bytes / storage bandwidth (the load cannot overlap)."""
+    """Oobleck's artifact simulator: init_s + checkpoint bytes / storage bandwidth (the load cannot
+    overlap)."""
     load = assumptions.checkpoint_load_s
     if load is None:
         load = checkpoint_bytes(profile) / bytes_per_s(assumptions.storage_gbps)

@@ -89,7 +89,7 @@ def propose(state: ClusterState, failed: Sequence[int]) -> Candidate:
 
 
 def test_redundant_forward_costs_a_third_when_backward_is_twice_forward() -> None:
-    # oobleck.md §5: (F + B + F)/(F + B) = 4/3 with B = 2F
+    # forward RC: (F + B + F)/(F + B) = 4/3 with B = 2F
     state = grid_state([2, 2, 2, 2], dp=2)
     assert redundancy_step_factor(state.profile, state.plan) == pytest.approx(4 / 3)
 

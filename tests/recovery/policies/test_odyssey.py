@@ -34,7 +34,7 @@ def test_objective_vector_prefers_replan_then_reroute() -> None:
     assert reroute == pytest.approx(53.33, rel=1e-3)
     assert replan > reroute
     # With t_state / (t_transition + t_state) the break-even is D* = 120 · 1.0 / 0.2 = 600 s
-    # (odyssey.md §2 gets 720 s from the clamped form): shorter intervals favour rerouting.
+    # (the clamped reading of eq. 8 gives 720 s): shorter intervals favour rerouting.
     at = {
         d: objective(global_batch=64, step_time_s=1.0, transition_s=120, t_state_s=d)
         for d in (500, 600, 700)

@@ -1,4 +1,5 @@
-"""Oobleck: templates, instantiation, §5 repair and the policy's candidates (oobleck.md §8)."""
+"""Oobleck: templates, instantiation, §5 repair and the policy's candidates, with the vectors of
+Oobleck's `develop` code."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def node_sets(plan: ExecutionPlan, per_node: int = 1) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6, 8])
 def test_uniform_stages_take_5s_minus_1_stage_times(stages: int) -> None:
-    # oobleck.md §8: N_b = 4S' makes T = (N_b + S' − 1)(F+B) = (5S' − 1)(F+B)
+    # uniform stages: N_b = 4S' makes T = (N_b + S' − 1)(F+B) = (5S' − 1)(F+B)
     per_stage = 3
     found = best_split(uniform(stages * per_stage), stages, 1, math.inf)
     assert found is not None
@@ -146,7 +147,7 @@ def test_critical_stage_is_the_slowest_when_it_is_last() -> None:
 
 
 def test_split_follows_the_papers_t2_not_the_codes() -> None:
-    # oobleck.md §8 item 3: with develop's T2 = (2S'+k*+1)(F+B) the DP would pick
+    # with the code's (`develop`) T2 = (2S'+k*+1)(F+B) the DP would pick
     # [0,2) [2,3) [3,4) [4,5), whose paper time is 429
     fwd = (4.0, 5.0, 5.0, 5.0, 3.0)
     profile = ModelProfile(
@@ -410,7 +411,7 @@ def test_pipelines_that_cannot_borrow_merge() -> None:
 
 
 def test_nine_nodes_losing_a_pipeline_with_f_2_keeps_three_pipelines() -> None:
-    # oobleck.md §8: the code returns [2,3] [4..8]; f + 1 = 3 pipelines must remain
+    # `develop` returns [2,3] [4..8]; f + 1 = 3 pipelines must remain (§3.2)
     profile = uniform(10, static=1.0)
     ts = build_templates(profile, 9, 1, 2, 1, 6.0)
     assert ts is not None and ts.sizes == (2, 3, 4, 5)
@@ -590,7 +591,7 @@ def test_transition_is_search_transfer_regroup_and_one_lost_step() -> None:
     )
 
 
-# --- properties (oobleck.md §8) ----------------------------------------------------------
+# --- properties (§3.2, §5) -------------------------------------------------------------
 
 
 @st.composite

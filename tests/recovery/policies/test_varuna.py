@@ -131,7 +131,7 @@ def test_measured_checkpoint_load_overrides_the_bandwidth_estimate() -> None:
 
 
 def test_steady_overhead_is_checkpoint_over_interval_plus_checkpoint() -> None:
-    # oobleck.md §5: c / (k·t_step + c)
+    # Oobleck's artifact simulator: c / (k·t_step + c)
     assert checkpoint_overhead(2.0, 5.0, 10) == pytest.approx(5.0 / 25.0)
     state = grid_state(static=1 * GB)
     assert checkpoint_write_s(state.profile, state.assumptions, 15.8) == 15.8

@@ -168,7 +168,7 @@ def assign_nodes(
     """Put ``nodes`` on the templates' node positions so that the fewest state bytes move.
 
     Kuhn-Munkres over (node, position); a position is a node's worth of consecutive stages and
-    its cost is the best assignment of the node's groups to them (oobleck.md §7: layers stay
+    its cost is the best assignment of the node's groups to them (ours: layers stay
     where they are). A node never splits across pipelines, so one node lost hits one pipeline.
     """
     per_node = layout.stages_per_node
@@ -230,7 +230,7 @@ def finish(
     drafts: Sequence[Draft],
 ) -> tuple[ExecutionPlan, Placement] | Declined:
     """Share the batch by water-filling, split each template pipeline for its share, and cost the
-    weight copy (oobleck.md §7).
+    weight copy.
 
     Water-filling weighs each pipeline by the estimator's own eq. 11 at every count it tries, a
     template pipeline on the split it would run at that count, so the shares balance the step

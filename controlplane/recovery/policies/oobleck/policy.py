@@ -107,7 +107,9 @@ class OobleckPolicy(SteadyCosts):
                 "every layer kept a replica"
             )
         if any(set(layout.devices(n)) - state.failed for n in lost & in_plan if n < whole):
-            notes.append("partial node loss: Oobleck drops the whole node (oobleck.md §8 item 10)")
+            notes.append(
+                "partial node loss: Oobleck works per node (§3), so it drops the whole node"
+            )
 
         candidates: list[Candidate] = []
         repaired = self._repair(state, layout, templates, pipelines, damaged, dropped)
@@ -190,7 +192,7 @@ class OobleckPolicy(SteadyCosts):
             lost_work_s=interrupted_work_s(state),
         )
         candidate = score(self.name, state, plan, transition)
-        text = "; ".join([*notes, "batch split by water-filling, not eq. 6 (oobleck.md §7)"])
+        text = "; ".join([*notes, "batch split by water-filling over eq. 11 step times, not eq. 6"])
         return replace(candidate, note=text) if candidate.feasible else candidate
 
 

@@ -122,7 +122,7 @@ def best_split(
     T1 is the same for every split, and T2 + T3 of stage k depends only on its own range and
     position, so the least maximum over stages is an exact min-max partition DP, O(S·L²) with
     numpy, instead of the paper's divide and conquer over (S', u, v, d). Stages over eq. 14 device
-    memory with S − k micro-batches in flight are excluded (oobleck.md §8 item 7: the code has no
+    memory with S − k micro-batches in flight are excluded (Oobleck's code has no
     filter). ``micro_batches`` (default 4S) is the N_b of T2; the memory filter always counts
     S − k micro-batches in flight, so the splits considered do not depend on it. Returns the split
     and its time, or None when no split fits.
@@ -259,7 +259,7 @@ def build_templates(
     """Oobleck §4.1.1: templates for n0 … min(N − f·n0, L / stages per node) nodes.
 
     n0 is the fewest nodes whose pipeline fits memory; the largest template leaves f pipelines of
-    n0 nodes beside it (oobleck.md §8 item 1: the paper's range capped at L, not the code's n_mem
+    n0 nodes beside it (§4.1: the paper's range, capped at L, not its code's n_mem
     … N). A pipeline has one stage per tensor-parallel group, ``stages_per_node`` per node. None
     when no node count up to the cap fits memory (template_oom).
     """
@@ -311,11 +311,12 @@ def fill_time(fill_s: float, period_s: float, micro_batches: int) -> float:
 
 
 def water_fill(micro_batches: int, finish_s: Sequence[Callable[[int], float]]) -> list[int] | None:
-    """oobleck.md §7 batch distribution: one micro-batch each, then each to the lowest finish.
+    """Batch distribution (§4.2.2, §5.2, as Oobleck's 2024 code does it): one micro-batch each,
+    then each to the lowest finish.
 
     ``finish_s[i](k)`` is pipeline i's step with k micro-batches. Greedy is optimal for the least
     maximum of increasing functions; it stands in for §4.2.2 eq. 6, whose integer program mixes
-    per-pipeline and per-template indices (oobleck.md §8 item 4). None when there are fewer
+    per-pipeline and per-template indices (eq. 6 mixes the two). None when there are fewer
     micro-batches than pipelines. Ties go to the lower index.
     """
     count = len(finish_s)
@@ -398,7 +399,7 @@ def best_instantiation(
 
     Instead of enumerating eq. 5's sets (millions of sets at 64 nodes), bisect the step time T:
     each template finishes cap(T) micro-batches, and T is reachable when some X with the f + 1
-    constraint holds at least B/b of them, an unbounded knapsack (odyssey.md §5.1 item 4).
+    constraint holds at least B/b of them, an unbounded knapsack.
     Returns the pipeline sizes, ascending, and T; None when no X exists.
     """
     sizes = sorted(fill_s)
