@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "rest_framework",
+    "rest_framework.authtoken",
     "drf_spectacular",
     "controlplane.jobs",
     "controlplane.incidents",
@@ -114,6 +115,15 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False  # keep the structured handler
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # browsers use the session (with CSRF); API clients send "Authorization: Token <key>"
+    "DEFAULT_AUTHENTICATION_CLASSES": (
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.TokenAuthentication",
+    ),
+    "DEFAULT_PERMISSION_CLASSES": ("controlplane.api.roles.CanRead",),
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 100,
+    "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Pitstop control plane API",

@@ -7,12 +7,20 @@ from controlplane.recovery.causes import COLOURS, Cause
 from controlplane.recovery.codes import Code, Option
 from controlplane.recovery.model import FailureKind
 
-__all__ = ["COLOURS", "Cause", "Code", "FailureKind", "Option", "policy_names"]
+__all__ = ["COLOURS", "Cause", "Code", "FailureKind", "Option", "describe_policies", "policy_names"]
 
 
 def policy_names() -> list[str]:
     """Every registered recovery policy, in the registry's order."""
     return policies.names()
+
+
+def describe_policies() -> list[dict[str, object]]:
+    """Every registered policy: its name, one-line summary and options with their defaults."""
+    return [
+        {"name": info.name, "summary": info.summary, "options": info.options}
+        for info in map(policies.describe, policies.names())
+    ]
 
 
 def choices(enum: type[FailureKind] | type[Code] | type[Cause]) -> list[tuple[str, str]]:

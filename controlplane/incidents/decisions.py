@@ -199,19 +199,20 @@ def record_failure(
             detected_at=now,
             message=message,
         )
+        if open_decision is not None:
+            transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
+        decision = RecoveryDecision.objects.create(job=job, failure=failure)
         record(
             job,
             EventKind.FAILURE_DETECTED,
             actor=source,
+            decision=decision,
             failure=failure,
             at=now,
             failure_kind=kind,
             devices=devices,
             detection_latency_s=failure.detection_latency_s,
         )
-        if open_decision is not None:
-            transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
-        decision = RecoveryDecision.objects.create(job=job, failure=failure)
         record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure)
         if open_decision is not None:
             RecoveryDecision.objects.filter(pk=open_decision.pk).update(superseded_by=decision)

@@ -1,0 +1,132 @@
+"""What the REST API shows of jobs, failures, recoveries and the timeline, and what it takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
+from controlplane.jobs.models import ApprovalMode, Job
+
+
+class JobSerializer(serializers.ModelSerializer):
+    devices = serializers.SerializerMethodField(help_text="devices by state")
+
+    class Meta:
+        model = Job
+        fields: tuple[str, ...] = (
+            "id",
+            "name",
+            "status",
+            "approval_mode",
+            "approval_timeout_s",
+            "enabled_policies",
+            "step",
+            "devices",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields: tuple[str, ...] = fields
+
+    def get_devices(self, job: Job) -> dict[str, int]:
+        # annotated by the view in one query (JobViewSet.get_queryset)
+        return {
+            state: getattr(job, f"devices_{state}", 0)
+            for state in ("healthy", "suspect", "failed", "spare", "recovering")
+        }
+
+
+class JobDetailSerializer(JobSerializer):
+    class Meta(JobSerializer.Meta):
+        fields = (*JobSerializer.Meta.fields, "plan", "scenario")
+        read_only_fields = fields
+
+
+class JobCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200)
+    scenario = serializers.JSONField(help_text="the core's scenario format (docs/scenario.md)")
+    approval_mode = serializers.ChoiceField(ApprovalMode.choices, default=ApprovalMode.AUTO)
+    approval_timeout_s = serializers.FloatField(default=300.0, min_value=0.001)
+    enabled_policies = serializers.ListField(
+        child=serializers.CharField(), default=list, help_text="empty: every policy"
+    )
+
+
+class WhatIfSerializer(serializers.Serializer):
+    devices = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=1)
+    kind = serializers.CharField(default="crash")
+
+
+class FailureSerializer(serializers.ModelSerializer):
+    detection_latency_s = serializers.FloatField(read_only=True)
+
+    class Meta:
+        model = Failure
+        fields = (
+            "id",
+            "job",
+            "node",
+            "kind",
+            "devices",
+            "source",
+            "occurred_at",
+            "detected_at",
+            "detection_latency_s",
+            "message",
+        )
+        read_only_fields = fields
+
+
+class RecoverySerializer(serializers.ModelSerializer):
+    failure = FailureSerializer(read_only=True)
+    chosen_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+    candidates = serializers.SerializerMethodField(
+        help_text="every policy's candidate as the core's codec writes it, declines included"
+    )
+    search_time_s = serializers.SerializerMethodField()
+
+    class Meta:
+        model = RecoveryDecision
+        fields = (
+            "id",
+            "job",
+            "status",
+            "failure",
+            "candidates",
+            "chosen",
+            "plan",
+            "search_time_s",
+            "chosen_by",
+            "reason",
+            "deadline_at",
+            "superseded_by",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields = fields
+
+    def get_candidates(self, decision: RecoveryDecision) -> list[dict[str, Any]]:
+        return decision.candidates
+
+    def get_search_time_s(self, decision: RecoveryDecision) -> float | None:
+        return None if decision.decision is None else float(decision.decision["search_time_s"])
+
+
+class ApproveSerializer(serializers.Serializer):
+    reason = serializers.CharField(allow_blank=True, default="", max_length=2000)
+
+
+class OverrideSerializer(serializers.Serializer):
+    candidate = serializers.IntegerField(min_value=0, required=False)
+    plan = serializers.JSONField(required=False, help_text="an edited plan (codec format)")
+    reason = serializers.CharField(allow_blank=True, default="", max_length=2000)
+
+
+class TimelineEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = TimelineEvent
+        fields = ("id", "at", "kind", "actor", "decision", "failure", "payload")
+        read_only_fields = fields

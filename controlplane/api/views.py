@@ -1,0 +1,263 @@
+"""REST API v1: policies, jobs (with what-if), failures, recoveries (approve, override) and the
+recovery timeline, exported as JSON or CSV (``?format=csv``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from django.db.models import Count, Q, QuerySet
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action, api_view, permission_classes
+from rest_framework.exceptions import ValidationError
+from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from controlplane.api import serializers as s
+from controlplane.api.roles import CanOperate, CanRead, ReadOrAdminister
+from controlplane.bridge.vocabulary import describe_policies
+from controlplane.incidents import decisions
+from controlplane.incidents.models import EventKind, Failure, RecoveryDecision, TimelineEvent
+from controlplane.jobs.models import DeviceState, Job
+from controlplane.jobs.services import create_job
+
+TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "payload")
+
+
+class CSVRenderer(BaseRenderer):
+    """Timeline rows as CSV, one event a line; ``payload`` as compact JSON."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(
+        self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None
+    ) -> bytes:
+        import csv
+        import io
+        import json
+
+        rows = data if isinstance(data, list) else data.get("events", [data])
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        if isinstance(data, dict) and "code" in data and "events" not in data:
+            writer.writerow(("code", "message", "field"))  # an error, kept readable
+            writer.writerow((data.get("code"), data.get("message"), data.get("field")))
+            return out.getvalue().encode()
+        writer.writerow(TIMELINE_COLUMNS)
+        for row in rows:
+            writer.writerow(
+                json.dumps(row[c], separators=(",", ":")) if c == "payload" else row[c]
+                for c in TIMELINE_COLUMNS
+            )
+        return out.getvalue().encode()
+
+
+TIMELINE_RENDERERS = (JSONRenderer, BrowsableAPIRenderer, CSVRenderer)
+
+
+def _time(request: Request, name: str) -> dt.datetime | None:
+    text = request.query_params.get(name)
+    if text is None:
+        return None
+    value = parse_datetime(text.replace(" ", "+"))
+    if value is None or value.tzinfo is None:
+        raise ValidationError(
+            {name: ["expected an ISO 8601 time with its offset, e.g. 2026-11-24T00:00:00Z"]}
+        )
+    return value
+
+
+def _events(request: Request, events: QuerySet[TimelineEvent]) -> QuerySet[TimelineEvent]:
+    since, until = _time(request, "since"), _time(request, "until")
+    if since is not None:
+        events = events.filter(at__gte=since)
+    if until is not None:
+        events = events.filter(at__lt=until)
+    return events.order_by("at", "pk")
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    text = request.query_params.get(name)
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ValidationError({name: [f"expected an id, got {text!r}"]})
+    return int(text)
+
+
+@extend_schema(responses={200: dict})
+@api_view(["GET"])
+@permission_classes([CanRead])
+def policies(request: Request) -> Response:
+    """Every recovery policy the core knows: name, one-line summary, options with defaults."""
+    return Response(describe_policies())
+
+
+class JobViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Jobs; an admin creates one from a scenario and gets its agent token, shown once."""
+
+    permission_classes = (ReadOrAdminister,)
+
+    def get_queryset(self) -> QuerySet[Job]:
+        counts = {
+            f"devices_{state}": Count("devices", filter=Q(devices__state=state))
+            for state in DeviceState.values
+        }
+        return Job.objects.annotate(**counts).order_by("-created_at")
+
+    def get_serializer_class(self) -> type[Any]:
+        if self.action == "create":
+            return s.JobCreateSerializer
+        return s.JobDetailSerializer if self.action == "retrieve" else s.JobSerializer
+
+    @extend_schema(request=s.JobCreateSerializer, responses={201: dict})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        given = s.JobCreateSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        job, token = create_job(**given.validated_data)
+        shown = s.JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data
+        return Response({"job": shown, "agent_token": token}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.WhatIfSerializer, responses={200: dict})
+    @action(detail=True, methods=["post"], url_path="what-if", permission_classes=[CanRead])
+    def what_if(self, request: Request, pk: str | None = None) -> Response:
+        """What every enabled policy would do if these devices failed now; nothing is written."""
+        job = self.get_object()
+        given = s.WhatIfSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        return Response(decisions.what_if(job, **given.validated_data))
+
+    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
+    @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])
+    def timeline(self, request: Request, pk: str | None = None) -> Response:
+        """The job's timeline, oldest first; ``since``/``until`` filter, CSV exports it all."""
+        job = self.get_object()
+        return _timeline_response(self, request, _events(request, job.timeline.all()))
+
+
+def _timeline_response(
+    view: viewsets.GenericViewSet, request: Request, events: QuerySet[TimelineEvent], **extra: Any
+) -> Response:
+    if request.accepted_renderer.format == "csv":
+        rows = s.TimelineEventSerializer(events, many=True).data
+        return Response({"events": rows, **extra})
+    page = view.paginate_queryset(events)
+    rows = s.TimelineEventSerializer(page if page is not None else events, many=True).data
+    if page is None:
+        return Response({"events": rows, **extra})
+    response = view.get_paginated_response(rows)
+    response.data.update(extra)
+    return response
+
+
+class FailureViewSet(viewsets.ReadOnlyModelViewSet):
+    """Failures, newest first; ``?job=ID`` filters."""
+
+    serializer_class = s.FailureSerializer
+    permission_classes = (CanRead,)
+
+    def get_queryset(self) -> QuerySet[Failure]:
+        failures = Failure.objects.order_by("-detected_at", "-pk")
+        job = _int_param(self.request, "job")
+        return failures if job is None else failures.filter(job_id=job)
+
+
+# The phases of a recovery as the timeline records them: (phase, from event, to events).
+PHASES: Sequence[tuple[str, str, tuple[str, ...]]] = (
+    ("plan", EventKind.PLANNING_STARTED, (EventKind.PROPOSED, EventKind.FAILED)),
+    (
+        "approve",
+        EventKind.PROPOSED,
+        (EventKind.APPROVED, EventKind.OVERRIDDEN, EventKind.AUTO_APPLIED),
+    ),
+    ("transfer", EventKind.APPLYING, (EventKind.COMMAND_ACKED,)),
+    ("restart", EventKind.COMMAND_ACKED, (EventKind.FIRST_STEP,)),
+    ("first_step", EventKind.FIRST_STEP, (EventKind.RECOVERED,)),
+)
+
+
+def phases(decision: RecoveryDecision, events: Sequence[TimelineEvent]) -> list[dict[str, Any]]:
+    """Detect, plan, approve, transfer, restart, first step: each phase's start, end and seconds
+    (null while it has not happened)."""
+    failure = decision.failure
+    out = [_phase("detect", failure.occurred_at, failure.detected_at)]
+    first: dict[str, dt.datetime] = {}
+    for event in events:
+        first.setdefault(event.kind, event.at)
+    for name, start_kind, end_kinds in PHASES:
+        start = first.get(start_kind)
+        ends = [first[k] for k in end_kinds if k in first]
+        out.append(_phase(name, start, min(ends) if ends and start else None))
+    return out
+
+
+def _phase(name: str, start: dt.datetime | None, end: dt.datetime | None) -> dict[str, Any]:
+    seconds = None if start is None or end is None else max((end - start).total_seconds(), 0.0)
+    return {"phase": name, "start": start, "end": end, "seconds": seconds}
+
+
+class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
+    """Recovery decisions, newest first; ``?job=ID`` and ``?status=`` filter."""
+
+    serializer_class = s.RecoverySerializer
+    permission_classes = (CanRead,)
+
+    def get_queryset(self) -> QuerySet[RecoveryDecision]:
+        found = RecoveryDecision.objects.select_related("failure", "chosen_by").order_by(
+            "-created_at", "-pk"
+        )
+        job = _int_param(self.request, "job")
+        if job is not None:
+            found = found.filter(job_id=job)
+        wanted = self.request.query_params.get("status")
+        if wanted is not None:
+            found = found.filter(status=wanted)
+        return found
+
+    @extend_schema(request=s.ApproveSerializer, responses={200: s.RecoverySerializer})
+    @action(detail=True, methods=["post"], permission_classes=[CanOperate])
+    def approve(self, request: Request, pk: str | None = None) -> Response:
+        decision = self.get_object()
+        given = s.ApproveSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        decisions.approve(decision.pk, user=request.user, **given.validated_data)  # type: ignore[arg-type]
+        return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
+
+    @extend_schema(request=s.OverrideSerializer, responses={200: s.RecoverySerializer})
+    @action(detail=True, methods=["post"], permission_classes=[CanOperate])
+    def override(self, request: Request, pk: str | None = None) -> Response:
+        decision = self.get_object()
+        given = s.OverrideSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        data = given.validated_data
+        decisions.override(
+            decision.pk,
+            user=request.user,  # type: ignore[arg-type]
+            candidate=data.get("candidate"),
+            edited_plan=data.get("plan"),
+            reason=data["reason"],
+        )
+        return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
+
+    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
+    @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])
+    def timeline(self, request: Request, pk: str | None = None) -> Response:
+        """This recovery's events and its phases (detect, plan, approve, transfer, restart,
+        first step)."""
+        decision = self.get_object()
+        events = _events(request, decision.events.all())
+        return _timeline_response(self, request, events, phases=phases(decision, list(events)))
+
+
+__all__ = ["FailureViewSet", "JobViewSet", "RecoveryViewSet", "policies"]
