@@ -8,7 +8,7 @@ from controlplane import defaults
 
 # Commands that serve, and so need the embedded Redis when REDIS_URL is unset; the others
 # (migrate, shell, ...) get only the data directory and the kept SECRET_KEY.
-SERVING_COMMANDS = frozenset({"runserver"})
+SERVING_COMMANDS = frozenset({"runserver", "detect_failures"})
 
 
 def main() -> None:

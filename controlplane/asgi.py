@@ -17,14 +17,15 @@ django_application = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
-from controlplane.streaming.routing import websocket_urlpatterns  # noqa: E402
+from controlplane.streaming.routing import agent_urlpatterns, browser_urlpatterns  # noqa: E402
 
+browsers = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(browser_urlpatterns)))
 application = ProtocolTypeRouter(
     {
         "http": django_application,
-        "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
-        ),
+        # agents first (token in hello, no Origin), then everything else behind the origin check
+        "websocket": URLRouter([*agent_urlpatterns, re_path(r"", browsers)]),
     }
 )

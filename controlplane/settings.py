@@ -103,6 +103,10 @@ CHANNEL_LAYERS = {
     }
 }
 
+# Agents beat every interval; a node silent for MISSED_BEATS intervals has failed.
+PITSTOP_HEARTBEAT_INTERVAL_S: float = env.float("PITSTOP_HEARTBEAT_INTERVAL_S", default=1.0)
+PITSTOP_MISSED_BEATS: int = env.int("PITSTOP_MISSED_BEATS", default=3)
+
 # Read by controlplane.celery through the CELERY_ namespace.
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL

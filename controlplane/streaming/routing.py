@@ -1,5 +1,15 @@
-"""Websocket routes served by Channels (the agent and dashboard consumers will be added here)."""
+"""Websocket routes served by Channels.
 
-from django.urls import URLPattern, URLResolver
+Agents authenticate with their job's token in ``hello`` and send no browser ``Origin``, so their
+route sits outside the origin check; browser routes (the dashboard's, to come) sit inside it,
+behind the session.
+"""
 
-websocket_urlpatterns: list[URLPattern | URLResolver] = []
+from django.urls import URLPattern, URLResolver, path
+
+from controlplane.streaming.agent import AgentConsumer
+
+agent_urlpatterns: list[URLPattern | URLResolver] = [
+    path("ws/agent/", AgentConsumer.as_asgi()),
+]
+browser_urlpatterns: list[URLPattern | URLResolver] = []

@@ -1,0 +1,225 @@
+"""The agent's websocket (``/ws/agent/``): protocol v1 (worker_agent/protocol.py).
+
+Every frame is parsed by the protocol module; a frame it refuses gets an ``error`` frame with its
+stable code, and the socket closes only for the fatal codes. After ``hello`` (checked against the
+job's agent token, node and devices) heartbeats go to Redis, never the database; a ``fault``
+frame and a socket that closes without ``goodbye`` are recorded as failures at once, and
+planning is handed to Celery after the commit. Nothing one agent sends reaches another job.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.utils import timezone
+
+from controlplane.incidents import decisions
+from controlplane.incidents.models import FailureSource
+from controlplane.incidents.tasks import enqueue_planning
+from controlplane.jobs import liveness
+from controlplane.jobs.models import AgentToken, Device, Node, NodeStatus
+from worker_agent import protocol
+from worker_agent.protocol import ErrorCode, ProtocolError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Session:
+    job_id: int
+    job_name: str
+    node_id: int
+    node: str
+    devices: frozenset[int]
+
+
+def _hello(frame: protocol.Hello) -> Session:
+    """The session a hello opens, or a fatal ``ProtocolError``."""
+    if frame.version != protocol.VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"this server speaks version {protocol.VERSION}, not {frame.version}",
+            field="version",
+        )
+    token = AgentToken.find(frame.token)
+    if token is None or token.job.name != frame.job:
+        # one answer for an unknown token and another job's: nothing to probe for
+        raise ProtocolError(ErrorCode.UNAUTHORISED, "no such token for this job", field="token")
+    job = token.job
+    node = Node.objects.filter(job=job, name=frame.node).first()
+    if node is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_NODE, f"job {job.name} has no node {frame.node!r}", field="node"
+        )
+    owned = set(Device.objects.filter(node=node).values_list("index", flat=True))
+    foreign = sorted(set(frame.devices) - owned)
+    if foreign:
+        raise ProtocolError(
+            ErrorCode.WRONG_DEVICES,
+            f"devices {foreign} are not on node {node.name} (it has {sorted(owned)})",
+            field="devices",
+        )
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.HEALTHY)
+    return Session(job.pk, job.name, node.pk, node.name, frozenset(owned))
+
+
+def _fault(session: Session, frame: protocol.Fault) -> int:
+    """Record the agent's fault; returns the decision's id."""
+    node = Node.objects.select_related("job").get(pk=session.node_id)
+    occurred = dt.datetime.fromtimestamp(frame.at, tz=dt.UTC)
+    _, decision = decisions.record_failure(
+        node.job,
+        kind=frame.kind.value,
+        devices=frame.devices,
+        source=FailureSource.AGENT,
+        occurred_at=min(occurred, timezone.now()),
+        node=node,
+        message=frame.message,
+        plan=enqueue_planning,
+    )
+    return decision.pk
+
+
+def _lost(session: Session, last_heard_s: float | None) -> None:
+    """The socket closed without goodbye: every device of the node failed, now."""
+    node = Node.objects.select_related("job").get(pk=session.node_id)
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
+    now = timezone.now()
+    heard = now if last_heard_s is None else dt.datetime.fromtimestamp(last_heard_s, tz=dt.UTC)
+    decisions.record_failure(
+        node.job,
+        kind="node_lost",
+        devices=sorted(session.devices),
+        source=FailureSource.SOCKET,
+        occurred_at=min(heard, now),
+        node=node,
+        message="the agent's socket closed without goodbye",
+        plan=enqueue_planning,
+    )
+
+
+def _goodbye(session: Session) -> None:
+    Node.objects.filter(pk=session.node_id).update(status=NodeStatus.LEFT)
+
+
+def node_group(job_id: int, node: str) -> str:
+    return f"agent.{job_id}.{node}"
+
+
+class AgentConsumer(AsyncWebsocketConsumer):
+    """One agent's conversation; see the module docstring."""
+
+    session: Session | None = None
+    last_seq = -1
+    last_heard_s: float | None = None
+    leaving = False  # goodbye received, or replaced: the close is not a failure
+
+    async def connect(self) -> None:
+        self.redis = liveness.client()
+        await self.accept()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        raw = text_data if text_data is not None else bytes_data or b""
+        try:
+            frame = protocol.parse_agent_frame(raw)
+            await self.handle(frame)
+        except ProtocolError as error:
+            await self.refuse(error)
+
+    async def refuse(self, error: ProtocolError, seq: int | None = None) -> None:
+        log.info("agent.refused", code=error.code, field=error.field, session=self.session)
+        await self.send(protocol.encode(error.frame(seq=seq)))
+        close = protocol.FATAL.get(error.code)
+        if close is not None:
+            # a replaced connection hands the node over: its close is no failure
+            self.leaving = self.leaving or error.code is ErrorCode.REPLACED
+            await self.close(code=int(close))
+
+    async def handle(self, frame: Any) -> None:
+        if isinstance(frame, protocol.Hello):
+            if self.session is not None:
+                raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello was already said")
+            await self.open(frame)
+            return
+        if self.session is None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{frame.type} before hello")
+        if isinstance(frame, protocol.Goodbye):
+            self.leaving = True
+            await database_sync_to_async(_goodbye)(self.session)
+            await liveness.forget(self.redis, self.session.job_id, self.session.node)
+            await self.close(code=1000)
+            return
+        if isinstance(frame, protocol.Ack):
+            raise ProtocolError(ErrorCode.UNKNOWN_COMMAND, f"no command {frame.command!r} was sent")
+        if frame.seq <= self.last_seq:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER,
+                f"{frame.type} {frame.seq} after {self.last_seq}",
+                field="seq",
+            )
+        self.last_seq = frame.seq
+        if isinstance(frame, protocol.Heartbeat):
+            self.last_heard_s = time.time()
+            metrics = frame.model_dump(exclude={"type", "seq"}, exclude_none=True)
+            await liveness.beat(
+                self.redis, self.session.job_id, self.session.node, self.last_heard_s, metrics
+            )
+        elif isinstance(frame, protocol.Fault):
+            foreign = sorted(set(frame.devices) - self.session.devices)
+            if foreign:
+                raise ProtocolError(
+                    ErrorCode.WRONG_DEVICES,
+                    f"devices {foreign} are not this node's",
+                    field="devices",
+                )
+            decision = await database_sync_to_async(_fault)(self.session, frame)
+            log.info(
+                "agent.fault", job=self.session.job_id, node=self.session.node, decision=decision
+            )
+
+    async def open(self, frame: protocol.Hello) -> None:
+        self.session = session = await database_sync_to_async(_hello)(frame)
+        group = node_group(session.job_id, session.node)
+        # an older connection of the same node steps aside
+        await self.channel_layer.group_send(
+            group, {"type": "agent.replaced", "by": self.channel_name}
+        )
+        await self.channel_layer.group_add(group, self.channel_name)
+        self.last_heard_s = time.time()
+        await liveness.beat(self.redis, session.job_id, session.node, self.last_heard_s, {})
+        await self.send(
+            protocol.encode(
+                protocol.Welcome(
+                    job=session.job_name,
+                    node=session.node,
+                    heartbeat_interval_s=liveness.HEARTBEAT_INTERVAL_S,
+                    missed_beats=liveness.MISSED_BEATS,
+                    server_time=time.time(),
+                )
+            )
+        )
+        log.info("agent.hello", job=session.job_id, node=session.node)
+
+    async def agent_replaced(self, message: dict[str, Any]) -> None:
+        if message["by"] != self.channel_name:
+            await self.refuse(
+                ProtocolError(ErrorCode.REPLACED, "another connection took this node")
+            )
+
+    async def disconnect(self, code: int) -> None:
+        session = self.session
+        if session is not None:
+            await self.channel_layer.group_discard(
+                node_group(session.job_id, session.node), self.channel_name
+            )
+            if not self.leaving:
+                await liveness.forget(self.redis, session.job_id, session.node)
+                await database_sync_to_async(_lost)(session, self.last_heard_s)
+                log.info("agent.lost", job=session.job_id, node=session.node, code=code)
+        await self.redis.aclose()

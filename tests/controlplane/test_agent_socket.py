@@ -1,0 +1,236 @@
+"""The agent's websocket: hello, heartbeats to Redis, faults and dropped sockets as failures,
+and a coded error for every frame it refuses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+
+from controlplane.asgi import application
+from controlplane.celery import app as celery_app
+from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
+from controlplane.jobs import detector, liveness
+from controlplane.jobs.models import Job, Node, NodeStatus
+from controlplane.jobs.services import create_job
+from worker_agent import protocol
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = json.loads((ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json").read_text())
+SCENARIO["failed"] = []
+SCENARIO["cluster"]["devices_per_node"] = 4  # node-0: devices 0-3, node-1: devices 4-7
+
+
+@pytest.fixture(autouse=True)
+def eager_planning() -> Iterator[None]:
+    """Planning runs in this process: the point here is the socket, not the worker."""
+    celery_app.conf.task_always_eager = True
+    yield
+    celery_app.conf.task_always_eager = False
+
+
+@database_sync_to_async
+def new_job(name: str = "llama", mode: str = "auto") -> tuple[Job, str]:
+    return create_job(
+        name, copy.deepcopy(SCENARIO), approval_mode=mode, enabled_policies=["dynamic"]
+    )
+
+
+def hello(job: Job, token: str, node: str = "node-0", devices: list[int] | None = None) -> str:
+    frame = protocol.Hello(job=job.name, node=node, token=token, devices=devices or [0, 1, 2, 3])
+    return protocol.encode(frame)
+
+
+def heartbeat(seq: int, step: int = 10) -> str:
+    return protocol.encode(
+        protocol.Heartbeat(
+            seq=seq,
+            at=time.time(),
+            step=step,
+            loss=2.5,
+            devices=[protocol.DeviceReport(device=0, state=protocol.DeviceState.TRAINING)],
+        )
+    )
+
+
+async def connect() -> WebsocketCommunicator:
+    socket = WebsocketCommunicator(application, "/ws/agent/")
+    connected, _ = await socket.connect()
+    assert connected
+    return socket
+
+
+async def said(socket: WebsocketCommunicator) -> dict[str, Any]:
+    frame: dict[str, Any] = json.loads(await socket.receive_from(timeout=10))
+    return frame
+
+
+async def closed_with(socket: WebsocketCommunicator) -> int:
+    message = await socket.receive_output(timeout=10)
+    assert message["type"] == "websocket.close", message
+    return int(message["code"])
+
+
+@pytest_asyncio.fixture
+async def agent() -> AsyncIterator[tuple[Job, WebsocketCommunicator]]:
+    job, token = await new_job()
+    socket = await connect()
+    await socket.send_to(hello(job, token))
+    welcome = await said(socket)
+    assert welcome["type"] == "welcome" and welcome["missed_beats"] == liveness.MISSED_BEATS
+    yield job, socket
+    await socket.disconnect()
+
+
+async def test_heartbeats_go_to_redis_and_goodbye_leaves_quietly(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    await socket.send_to(heartbeat(1, step=42))
+    await socket.send_to(heartbeat(2, step=43))
+    redis = liveness.client()
+    try:
+        for _ in range(50):
+            last = await liveness.latest(redis, job.pk, "node-0")
+            if last is not None and last["metrics"].get("step") == 43:
+                break
+            time.sleep(0.02)
+        assert last is not None and last["metrics"]["step"] == 43 and last["metrics"]["loss"] == 2.5
+        await socket.send_to(protocol.encode(protocol.Goodbye(reason="done")))
+        assert await closed_with(socket) == 1000
+        assert await liveness.latest(redis, job.pk, "node-0") is None
+    finally:
+        await redis.aclose()
+    node = await database_sync_to_async(Node.objects.get)(job=job, name="node-0")
+    assert node.status == NodeStatus.LEFT
+    assert not await database_sync_to_async(Failure.objects.exists)()
+
+
+async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    await socket.send_to(
+        protocol.encode(
+            protocol.Fault(seq=1, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[2])
+        )
+    )
+    await socket.send_to(heartbeat(2))  # the conversation goes on
+    for _ in range(200):
+        failure = await database_sync_to_async(Failure.objects.filter(job=job).first)()
+        if failure is not None:
+            break
+        time.sleep(0.02)
+    assert failure is not None and failure.devices == [2] and failure.source == "agent"
+    decision = await database_sync_to_async(RecoveryDecision.objects.get)(failure=failure)
+    assert decision.status == DecisionStatus.AUTO_APPLIED  # planned in this process (eager)
+
+
+async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:
+    job, token = await new_job()
+    socket = await connect()
+    await socket.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
+    await said(socket)
+    await socket.disconnect(code=1006)
+    failure = await database_sync_to_async(Failure.objects.get)(job=job)
+    assert (failure.kind, failure.source, failure.devices) == ("node_lost", "socket", [4, 5, 6, 7])
+    assert failure.detection_latency_s < 5
+    node = await database_sync_to_async(Node.objects.get)(job=job, name="node-1")
+    assert node.status == NodeStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ("{not json", "malformed"),
+        (json.dumps({"type": "heartbeat", "seq": 1}), "invalid"),
+        ("x" * (protocol.MAX_FRAME_BYTES + 1), "oversized"),
+        (heartbeat(1), "out_of_order"),  # before hello
+    ],
+)
+async def test_bad_frames_get_a_coded_error_and_the_socket_stays_open(
+    frame: str, code: str
+) -> None:
+    job, token = await new_job()
+    socket = await connect()
+    await socket.send_to(frame)
+    error = await said(socket)
+    assert (error["type"], error["code"]) == ("error", code)
+    await socket.send_to(hello(job, token))
+    assert (await said(socket))["type"] == "welcome"
+    await socket.disconnect()
+
+
+async def test_sequence_numbers_must_grow(agent: tuple[Job, WebsocketCommunicator]) -> None:
+    _, socket = agent
+    await socket.send_to(heartbeat(5))
+    await socket.send_to(heartbeat(5))
+    error = await said(socket)
+    assert (error["code"], error["field"]) == ("out_of_order", "seq")
+
+
+async def test_hello_is_checked_and_refusals_close_the_socket() -> None:
+    job, token = await new_job("one")
+    _, other_token = await new_job("two")
+    cases = [
+        (hello(job, "wrong"), "unauthorised", 4001),
+        (hello(job, other_token), "unauthorised", 4001),  # another job's token
+        (hello(job, token, node="node-9"), "unknown_node", 4001),
+        (hello(job, token, devices=[4]), "wrong_devices", 4002),
+        (hello(job, token).replace('"version":1', '"version":2'), "unsupported_version", 4002),
+    ]
+    for frame, code, close in cases:
+        socket = await connect()
+        await socket.send_to(frame)
+        assert (await said(socket))["code"] == code
+        assert await closed_with(socket) == close
+    assert not await database_sync_to_async(Failure.objects.exists)()
+
+
+async def test_a_second_connection_replaces_the_first_without_a_failure() -> None:
+    job, token = await new_job()
+    first = await connect()
+    await first.send_to(hello(job, token))
+    await said(first)
+    second = await connect()
+    await second.send_to(hello(job, token))
+    assert (await said(second))["type"] == "welcome"
+    assert (await said(first))["code"] == "replaced"
+    assert await closed_with(first) == 4003
+    await first.disconnect()
+    assert not await database_sync_to_async(Failure.objects.exists)()
+    await second.send_to(protocol.encode(protocol.Goodbye()))
+    assert await closed_with(second) == 1000
+
+
+# --- the heartbeat deadline ------------------------------------------------------------------
+
+
+async def test_a_silent_node_fails_once_after_the_deadline(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    redis = liveness.client()
+    try:
+        heard = (await liveness.latest(redis, job.pk, "node-0") or {})["at"]
+        deadline = detector.deadline_s()
+        assert await detector.sweep(redis, now_s=heard + deadline * 0.9) == []  # not yet
+        decided = await detector.sweep(redis, now_s=heard + deadline + 0.01)
+        assert len(decided) == 1
+        assert await detector.sweep(redis, now_s=heard + deadline + 5) == []  # reported once
+    finally:
+        await redis.aclose()
+    failure = await database_sync_to_async(Failure.objects.get)(job=job)
+    assert (failure.kind, failure.source, failure.devices) == ("hang", "heartbeat", [0, 1, 2, 3])
+    await socket.send_to(protocol.encode(protocol.Goodbye()))  # the host came back and left
+    assert await closed_with(socket) == 1000
