@@ -4,9 +4,11 @@ from django.contrib import admin
 from django.urls import include, path
 
 from controlplane.health import healthz
+from controlplane.metrics import metrics
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics, name="metrics"),
     path("api/", include("controlplane.api.urls")),
     path("admin/", admin.site.urls),
     path("", include("webui.urls")),

@@ -28,6 +28,7 @@ def metrics_key(job_id: int, node: str) -> str:
 
 
 JOBS_KEY = f"{PREFIX}:jobs"  # jobs with a node connected, for the detector's scan
+BEATS_KEY = f"{PREFIX}:heartbeats"  # every heartbeat received, for /metrics
 
 
 def client() -> aioredis.Redis:
@@ -41,6 +42,7 @@ async def beat(
     async with redis.pipeline(transaction=False) as pipe:
         pipe.zadd(seen_key(job_id), {node: at_s})
         pipe.sadd(JOBS_KEY, job_id)
+        pipe.incr(BEATS_KEY)
         pipe.hset(
             metrics_key(job_id, node),
             mapping={"at": at_s, "metrics": json.dumps(metrics, separators=(",", ":"))},

@@ -1,0 +1,95 @@
+"""``GET /metrics``: Prometheus metrics of the whole control plane, read at scrape time.
+
+Every figure comes from the shared stores, not from one process's memory, so several ASGI
+servers, Celery workers and the detector report one consistent picture: heartbeats and
+connected nodes from Redis, failures, detection latency, planning time and decisions from the
+database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision, TimelineEvent
+from controlplane.jobs import liveness
+
+# Planning time is averaged over the most recent proposals, so a scrape stays cheap.
+PLANNING_WINDOW = 1000
+
+
+class ControlPlaneCollector(Collector):
+    def collect(self) -> Iterator[Any]:
+        yield from self._redis()
+        yield from self._database()
+
+    def _redis(self) -> Iterator[Any]:
+        client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+        try:
+            beats = int(client.get(liveness.BEATS_KEY) or 0)
+            jobs = client.smembers(liveness.JOBS_KEY)
+            connected = sum(int(client.zcard(liveness.seen_key(int(job)))) for job in jobs)
+        finally:
+            client.close()
+        yield CounterMetricFamily(
+            "pitstop_heartbeats", "heartbeats received from agents", value=beats
+        )
+        yield GaugeMetricFamily(
+            "pitstop_connected_nodes", "nodes whose agent is connected and watched", value=connected
+        )
+
+    def _database(self) -> Iterator[Any]:
+        failures = CounterMetricFamily(
+            "pitstop_failures", "failures recorded", labels=["source", "kind"]
+        )
+        for row in Failure.objects.values("source", "kind").annotate(n=Count("pk")):
+            failures.add_metric([row["source"], row["kind"]], row["n"])
+        yield failures
+
+        latency = Failure.objects.aggregate(
+            n=Count("pk"),
+            total=Sum(
+                ExpressionWrapper(F("detected_at") - F("occurred_at"), output_field=DurationField())
+            ),
+        )
+        total = latency["total"].total_seconds() if latency["total"] is not None else 0.0
+        yield SummaryMetricFamily(
+            "pitstop_detection_latency_seconds",
+            "from a failure to its detection",
+            count_value=latency["n"],
+            sum_value=total,
+        )
+
+        proposals = TimelineEvent.objects.filter(kind="proposed").order_by("-at")[:PLANNING_WINDOW]
+        planning = [float(p["search_time_s"]) for p in proposals.values_list("payload", flat=True)
+                    if isinstance(p, dict) and "search_time_s" in p]  # fmt: skip
+        yield SummaryMetricFamily(
+            "pitstop_planning_seconds",
+            f"the core's search time of the last {PLANNING_WINDOW} proposals",
+            count_value=len(planning),
+            sum_value=sum(planning),
+        )
+
+        decisions = GaugeMetricFamily(
+            "pitstop_decisions", "recovery decisions by status", labels=["status"]
+        )
+        counts = dict(
+            RecoveryDecision.objects.values_list("status").annotate(n=Count("pk")).order_by()
+        )
+        for status in DecisionStatus.values:
+            decisions.add_metric([status], counts.get(status, 0))
+        yield decisions
+
+
+def metrics(request: HttpRequest) -> HttpResponse:
+    registry = CollectorRegistry()
+    registry.register(ControlPlaneCollector())
+    return HttpResponse(generate_latest(registry), content_type="text/plain; version=0.0.4")
