@@ -3,7 +3,10 @@ recovery timeline, exported as JSON or CSV (``?format=csv``)."""
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,10 +41,6 @@ class CSVRenderer(BaseRenderer):
     def render(
         self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None
     ) -> bytes:
-        import csv
-        import io
-        import json
-
         rows = data if isinstance(data, list) else data.get("events", [data])
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
