@@ -316,6 +316,17 @@ def apply_proposal(decision_id: int, *, actor: str) -> RecoveryDecision:
     return transition(decision_id, DecisionStatus.AUTO_APPLIED, actor=actor)
 
 
+def overdue(*, planning_after_s: float) -> tuple[list[int], list[int]]:
+    """Decisions planning for longer than ``planning_after_s`` (their task was lost or is slow),
+    and proposals whose ``manual_with_timeout`` deadline has passed."""
+    now = timezone.now()
+    stuck = RecoveryDecision.objects.filter(
+        status=DecisionStatus.PLANNING, updated_at__lt=now - dt.timedelta(seconds=planning_after_s)
+    )
+    late = RecoveryDecision.objects.filter(status=DecisionStatus.PROPOSED, deadline_at__lt=now)
+    return list(stuck.values_list("pk", flat=True)), list(late.values_list("pk", flat=True))
+
+
 def apply_after_deadline(decision_id: int) -> str:
     """``manual_with_timeout``: apply the proposal if nobody chose before the deadline."""
     decision = RecoveryDecision.objects.get(pk=decision_id)

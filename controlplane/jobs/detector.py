@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
-from controlplane.incidents.tasks import enqueue_planning
+from controlplane.incidents.tasks import enqueue_planning, requeue_overdue
 from controlplane.jobs import liveness
 from controlplane.jobs.models import Device, Node, NodeStatus
 
@@ -66,13 +66,22 @@ async def sweep(redis: aioredis.Redis, now_s: float | None = None) -> list[int]:
     return decided
 
 
+# Seconds between looks for decisions a lost task left behind (tasks.requeue_overdue).
+OVERDUE_PERIOD_S = 5.0
+
+
 async def run(period_s: float | None = None) -> None:
-    """Sweep forever, four times a heartbeat interval unless told otherwise."""
+    """Sweep forever, four times a heartbeat interval unless told otherwise; every few seconds
+    also re-queue what a broker or worker restart left behind."""
     period_s = period_s or liveness.HEARTBEAT_INTERVAL_S / 4
     redis = liveness.client()
+    next_overdue = 0.0
     try:
         while True:
             await sweep(redis)
+            if time.monotonic() >= next_overdue:
+                await database_sync_to_async(requeue_overdue)()
+                next_overdue = time.monotonic() + OVERDUE_PERIOD_S
             await asyncio.sleep(period_s)
     finally:
         await redis.aclose()

@@ -372,3 +372,31 @@ def test_what_if_plans_without_touching_the_job() -> None:
     assert not Device.objects.filter(job=job, state=DeviceState.FAILED).exists()
     with pytest.raises(InvalidScenario, match=r"ids 0\.\.9"):
         decisions.what_if(job, devices=[10])
+
+
+# --- nothing is lost to a broker or worker restart -----------------------------------------
+
+
+def test_overdue_decisions_are_planned_again_and_late_proposals_applied() -> None:
+    from controlplane.celery import app as celery_app
+    from controlplane.incidents.tasks import requeue_overdue
+
+    job = new_job(ApprovalMode.MANUAL)
+    _, stuck = fail(job, 3)  # as if its planning task was lost with the broker
+    assert requeue_overdue(planning_after_s=30) == ([], [])  # too recent to tell
+    RecoveryDecision.objects.filter(pk=stuck.pk).update(
+        updated_at=timezone.now() - dt.timedelta(seconds=31)
+    )
+    celery_app.conf.task_always_eager = True  # the re-queued task runs here
+    try:
+        requeued, _ = requeue_overdue(planning_after_s=30)
+    finally:
+        celery_app.conf.task_always_eager = False
+    assert requeued == [stuck.pk] and reload(stuck).status == DecisionStatus.PROPOSED
+
+    timed = proposed(ApprovalMode.MANUAL_WITH_TIMEOUT, 2)
+    RecoveryDecision.objects.filter(pk=timed.pk).update(
+        deadline_at=timezone.now() - dt.timedelta(seconds=1)
+    )
+    assert requeue_overdue(planning_after_s=30) == ([], [DecisionStatus.AUTO_APPLIED])
+    assert reload(timed).status == DecisionStatus.AUTO_APPLIED
