@@ -9,6 +9,7 @@ planning is handed to Celery after the commit. Nothing one agent sends reaches a
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import structlog
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
@@ -167,9 +169,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if isinstance(frame, protocol.Heartbeat):
             self.last_heard_s = time.time()
             metrics = frame.model_dump(exclude={"type", "seq"}, exclude_none=True)
-            await liveness.beat(
-                self.redis, self.session.job_id, self.session.node, self.last_heard_s, metrics
-            )
+            try:
+                await liveness.beat(
+                    self.redis, self.session.job_id, self.session.node, self.last_heard_s, metrics
+                )
+            except RedisError as exc:
+                # Redis restarting: this beat is lost, the agent is not (the next beat lands)
+                log.warning("agent.beat_lost", node=self.session.node, error=str(exc))
         elif isinstance(frame, protocol.Fault):
             foreign = sorted(set(frame.devices) - self.session.devices)
             if foreign:
@@ -219,7 +225,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 node_group(session.job_id, session.node), self.channel_name
             )
             if not self.leaving:
-                await liveness.forget(self.redis, session.job_id, session.node)
+                with contextlib.suppress(RedisError):  # best effort: Redis may be restarting
+                    await liveness.forget(self.redis, session.job_id, session.node)
                 await database_sync_to_async(_lost)(session, self.last_heard_s)
                 log.info("agent.lost", job=session.job_id, node=session.node, code=code)
         await self.redis.aclose()
