@@ -144,9 +144,10 @@ def record_failure(
 
     One incident, one failure: when the job's open decision is still planning, the devices
     join its failure (many ranks of one node report the same fault) and planning, which reads
-    the devices when it runs, covers them all. Otherwise an open decision is superseded and a
-    new one plans for every device down now. ``plan(decision_id)`` is called after the commit
-    for a new decision (the Celery task's ``delay``).
+    the devices when it runs, covers them all; devices that are all down already change nothing.
+    Otherwise an open decision is superseded and a new one plans for every device down now.
+    ``plan(decision_id)`` is called after the commit for a new decision (the Celery task's
+    ``delay``).
     """
     devices = sorted(set(devices))
     if not devices:
@@ -165,6 +166,17 @@ def record_failure(
                 f"devices {unknown} do not exist in job {job.name} (ids are 0..{len(known) - 1})",
                 field="devices",
             )
+        if all(known[d] == DeviceState.FAILED for d in devices):
+            latest = (
+                RecoveryDecision.objects.select_related("failure")
+                .filter(job=job)
+                .order_by("-created_at", "-pk")
+                .first()
+            )
+            if latest is not None:
+                # reported again (the socket's close and then the deadline, two ranks of one
+                # node): these devices are down and handled already, nothing new happened
+                return latest.failure, latest
         Device.objects.filter(job=job, index__in=devices).update(state=DeviceState.FAILED)
         open_decision = (
             RecoveryDecision.objects.select_for_update()

@@ -400,3 +400,16 @@ def test_overdue_decisions_are_planned_again_and_late_proposals_applied() -> Non
     )
     assert requeue_overdue(planning_after_s=30) == ([], [DecisionStatus.AUTO_APPLIED])
     assert reload(timed).status == DecisionStatus.AUTO_APPLIED
+
+
+def test_devices_reported_again_change_nothing() -> None:
+    job = new_job(ApprovalMode.MANUAL)
+    failure, decision = fail(job, 3)
+    decisions.plan(decision.pk)
+    before = events(job)
+    again, same = fail(job, 3)  # e.g. the socket closed, then the deadline passed
+    assert (again.pk, same.pk) == (failure.pk, decision.pk)
+    assert reload(decision).status == DecisionStatus.PROPOSED, "not superseded by a repeat"
+    assert events(job) == before and Failure.objects.count() == 1
+    _, newer = fail(job, 3, 4)  # a new device is a new incident
+    assert newer.pk != decision.pk and reload(decision).status == DecisionStatus.SUPERSEDED
