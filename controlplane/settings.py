@@ -99,13 +99,18 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        # redis-py 8 times a read out after 5 s, the length of the layer's blocking read: without
+        # a longer timeout the layer's receive loop dies, and a socket with it, every ~5 s
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]},
     }
 }
 
 # Agents beat every interval; a node silent for MISSED_BEATS intervals has failed.
 PITSTOP_HEARTBEAT_INTERVAL_S: float = env.float("PITSTOP_HEARTBEAT_INTERVAL_S", default=1.0)
 PITSTOP_MISSED_BEATS: int = env.int("PITSTOP_MISSED_BEATS", default=3)
+# A decision whose agents have not all trained again this many seconds after the plan was sent
+# fails, naming them.
+PITSTOP_APPLY_TIMEOUT_S: float = env.float("PITSTOP_APPLY_TIMEOUT_S", default=120.0)
 
 # Read by controlplane.celery through the CELERY_ namespace.
 CELERY_BROKER_URL = REDIS_URL

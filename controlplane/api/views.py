@@ -172,7 +172,8 @@ class FailureViewSet(viewsets.ReadOnlyModelViewSet):
         return failures if job is None else failures.filter(job_id=job)
 
 
-# The phases of a recovery as the timeline records them: (phase, from event, to events).
+# The phases of a recovery as the timeline records them: (phase, from event, to events); a
+# phase ends at the first of its end events, or, for the agents' acknowledgements, the last.
 PHASES: Sequence[tuple[str, str, tuple[str, ...]]] = (
     ("plan", EventKind.PLANNING_STARTED, (EventKind.PROPOSED, EventKind.FAILED)),
     (
@@ -180,10 +181,11 @@ PHASES: Sequence[tuple[str, str, tuple[str, ...]]] = (
         EventKind.PROPOSED,
         (EventKind.APPROVED, EventKind.OVERRIDDEN, EventKind.AUTO_APPLIED),
     ),
-    ("transfer", EventKind.APPLYING, (EventKind.COMMAND_ACKED,)),
-    ("restart", EventKind.COMMAND_ACKED, (EventKind.FIRST_STEP,)),
-    ("first_step", EventKind.FIRST_STEP, (EventKind.RECOVERED,)),
+    ("transfer", EventKind.APPLYING, (EventKind.COMMAND_ACKED,)),  # every agent has the plan
+    ("restart", EventKind.COMMAND_ACKED, (EventKind.RESUMED,)),  # every agent trains again
+    ("first_step", EventKind.RESUMED, (EventKind.FIRST_STEP,)),  # every agent made a step
 )
+LAST = frozenset({EventKind.COMMAND_ACKED})
 
 
 def phases(decision: RecoveryDecision, events: Sequence[TimelineEvent]) -> list[dict[str, Any]]:
@@ -191,12 +193,13 @@ def phases(decision: RecoveryDecision, events: Sequence[TimelineEvent]) -> list[
     (null while it has not happened)."""
     failure = decision.failure
     out = [_phase("detect", failure.occurred_at, failure.detected_at)]
-    first: dict[str, dt.datetime] = {}
+    seen: dict[str, dt.datetime] = {}
     for event in events:
-        first.setdefault(event.kind, event.at)
+        if event.kind in LAST or event.kind not in seen:
+            seen[event.kind] = event.at
     for name, start_kind, end_kinds in PHASES:
-        start = first.get(start_kind)
-        ends = [first[k] for k in end_kinds if k in first]
+        start = seen.get(start_kind)
+        ends = [seen[k] for k in end_kinds if k in seen]
         out.append(_phase(name, start, min(ends) if ends and start else None))
     return out
 

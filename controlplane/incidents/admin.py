@@ -1,4 +1,5 @@
-"""Django admin of failures, recovery decisions and the timeline (which is read-only)."""
+"""Django admin of failures, recovery decisions, their commands and the timeline; decisions,
+commands and events change through the state machine only, so they are read-only here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
-from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
+from controlplane.incidents.models import AgentCommand, Failure, RecoveryDecision, TimelineEvent
 
 
 @admin.register(Failure)
@@ -29,6 +30,20 @@ class RecoveryDecisionAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return [f.name for f in RecoveryDecision._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+
+@admin.register(AgentCommand)
+class AgentCommandAdmin(admin.ModelAdmin):
+    list_display = ("created_at", "decision", "node", "action", "sends", "acked_at", "ok")
+    list_filter = ("action", "ok")
+    list_select_related = ("decision__job", "node__job")
+    search_fields = ("node__job__name", "node__name")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in AgentCommand._meta.fields]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

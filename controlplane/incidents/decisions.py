@@ -1,9 +1,6 @@
 """The recovery decision's life: failures open one, planning fills it, operators or the job's
-mode choose, and every move is checked, recorded on the timeline and committed together.
-
-Only ``transition`` changes a decision's status. It locks the row, refuses a move ``LEGAL`` does
-not list (``IllegalTransition``), writes the timeline event in the same transaction and runs
-the caller's notifications only after the commit, so nothing is announced that did not happen.
+mode choose, ``applying`` sends the plan to the agents, and every move is checked, recorded on
+the timeline and committed together (``transitions.transition``, the state machine's one door).
 Planning runs in Celery (``tasks.plan_recovery``); everything here is safe to run twice.
 """
 
@@ -20,111 +17,20 @@ from django.utils import timezone
 
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import FailureKind
+from controlplane.incidents import applying
 from controlplane.incidents.models import (
-    LEGAL,
     OPEN,
     DecisionStatus,
     EventKind,
     Failure,
     FailureSource,
     RecoveryDecision,
-    TimelineEvent,
 )
+from controlplane.incidents.transitions import IllegalTransition, record, transition
 from controlplane.jobs.models import ApprovalMode, Device, DeviceState, Job, JobStatus, Node
 from controlplane.jobs.services import failed_devices
 
 log = structlog.get_logger(__name__)
-
-# The event each status is recorded as.
-EVENT_OF: dict[str, str] = {
-    DecisionStatus.PLANNING: EventKind.PLANNING_STARTED,
-    DecisionStatus.PROPOSED: EventKind.PROPOSED,
-    DecisionStatus.APPROVED: EventKind.APPROVED,
-    DecisionStatus.OVERRIDDEN: EventKind.OVERRIDDEN,
-    DecisionStatus.AUTO_APPLIED: EventKind.AUTO_APPLIED,
-    DecisionStatus.APPLYING: EventKind.APPLYING,
-    DecisionStatus.RECOVERED: EventKind.RECOVERED,
-    DecisionStatus.FAILED: EventKind.FAILED,
-    DecisionStatus.SUPERSEDED: EventKind.SUPERSEDED,
-}
-
-
-class IllegalTransition(Exception):
-    """A move the decision's state machine does not allow; ``code`` is stable for the API."""
-
-    code = "illegal_transition"
-
-    def __init__(self, decision: RecoveryDecision, to: str) -> None:
-        allowed = ", ".join(sorted(LEGAL[decision.status])) or "none (it is final)"
-        super().__init__(
-            f"decision {decision.pk} is {decision.status}; it cannot become {to} "
-            f"(allowed: {allowed})"
-        )
-        self.status, self.to = decision.status, to
-
-
-def record(
-    job: Job,
-    kind: str,
-    *,
-    actor: str,
-    decision: RecoveryDecision | None = None,
-    failure: Failure | None = None,
-    at: dt.datetime | None = None,
-    **payload: Any,
-) -> TimelineEvent:
-    """Append one event to the job's timeline."""
-    return TimelineEvent.objects.create(
-        job=job,
-        decision=decision,
-        failure=failure,
-        kind=kind,
-        at=at or timezone.now(),
-        actor=actor,
-        payload=payload,
-    )
-
-
-def transition(
-    decision_id: int,
-    to: str,
-    *,
-    actor: str,
-    after_commit: Callable[[RecoveryDecision], None] | None = None,
-    payload: dict[str, Any] | None = None,
-    **changes: Any,
-) -> RecoveryDecision:
-    """Move a decision to ``to`` with ``changes`` to its fields, recorded on the timeline.
-
-    The row is locked for the move, so two callers racing for the same decision (an operator's
-    approval and the timeout, a worker and its redelivered task) cannot both win: the second
-    sees the new status and gets ``IllegalTransition``. ``after_commit`` runs once the move is
-    committed.
-    """
-    with transaction.atomic():
-        decision = (
-            RecoveryDecision.objects.select_for_update().select_related("job").get(pk=decision_id)
-        )
-        if to not in LEGAL[decision.status]:
-            raise IllegalTransition(decision, to)
-        before = decision.status
-        decision.status = to
-        for field, value in changes.items():
-            setattr(decision, field, value)
-        decision.save()
-        record(
-            decision.job,
-            EVENT_OF[to],
-            actor=actor,
-            decision=decision,
-            failure=decision.failure,
-            **{"from": before, **(payload or {})},
-        )
-        if after_commit is not None:
-            transaction.on_commit(lambda: after_commit(decision))
-    log.info("decision.transition", decision=decision.pk, job=decision.job_id, to=to, actor=actor)
-    return decision
-
 
 # --- failures ------------------------------------------------------------------------------
 
@@ -313,8 +219,7 @@ def _proposed(
         deadline_at=deadline,
     )
     if job.approval_mode == ApprovalMode.AUTO:
-        apply_proposal(decision.pk, actor="auto")
-        return DecisionStatus.AUTO_APPLIED
+        return apply_proposal(decision.pk, actor="auto").status
     if deadline is not None and schedule_timeout is not None:
         transaction.on_commit(lambda: schedule_timeout(decision.pk, job.approval_timeout_s))
     return DecisionStatus.PROPOSED
@@ -323,9 +228,16 @@ def _proposed(
 # --- choosing ------------------------------------------------------------------------------
 
 
+def _chosen(decision_id: int, to: str, *, actor: str, **changes: Any) -> RecoveryDecision:
+    """The plan is chosen (``to``) and its applying begins, in one transaction."""
+    with transaction.atomic():
+        decision = transition(decision_id, to, actor=actor, **changes)
+        return applying.begin(decision, actor="system")
+
+
 def apply_proposal(decision_id: int, *, actor: str) -> RecoveryDecision:
     """The job's mode applies the proposal: at once (``auto``) or at the deadline."""
-    return transition(decision_id, DecisionStatus.AUTO_APPLIED, actor=actor)
+    return _chosen(decision_id, DecisionStatus.AUTO_APPLIED, actor=actor)
 
 
 def overdue(*, planning_after_s: float) -> tuple[list[int], list[int]]:
@@ -354,7 +266,7 @@ def apply_after_deadline(decision_id: int) -> str:
 
 def approve(decision_id: int, *, user: AbstractBaseUser, reason: str = "") -> RecoveryDecision:
     """An operator approves the proposal."""
-    return transition(
+    return _chosen(
         decision_id,
         DecisionStatus.APPROVED,
         actor=user.get_username(),
@@ -399,7 +311,7 @@ def override(
     else:
         job = decision.job
         plan = rows.validate_override(job.scenario, job.plan, failed_devices(job), edited_plan)
-    return transition(
+    return _chosen(
         decision_id,
         DecisionStatus.OVERRIDDEN,
         actor=user.get_username(),

@@ -7,6 +7,7 @@ transaction.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.conf import settings
@@ -135,10 +136,48 @@ class EventKind(models.TextChoices):
     APPLYING = "applying"
     COMMAND_SENT = "command_sent"
     COMMAND_ACKED = "command_acked"
+    RESUMED = "resumed"  # every agent's devices report training again
     FIRST_STEP = "first_step"
     RECOVERED = "recovered"
     FAILED = "failed"
     SUPERSEDED = "superseded"
+
+
+class AgentCommand(models.Model):
+    """One command to one node's agent for a decision, sent until the agent acknowledges it.
+
+    The agent reports back in stages: ``acked_at`` (it applied the command, or refused it:
+    ``ok``), ``resumed_at`` (its devices report training again, at ``resumed_step``) and
+    ``stepped_at`` (a step completed after that). ``frame`` is the protocol's ``command`` frame.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    decision = models.ForeignKey(
+        RecoveryDecision, on_delete=models.CASCADE, related_name="commands"
+    )
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    action = models.CharField(max_length=16)
+    frame = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True, help_text="the last time it was sent")
+    sends = models.PositiveIntegerField(default=0)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    ok = models.BooleanField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    resumed_at = models.DateTimeField(null=True, blank=True)
+    resumed_step = models.BigIntegerField(null=True, blank=True)
+    stepped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("created_at", "node")
+        constraints = (
+            models.UniqueConstraint(
+                fields=["decision", "node", "action"], name="one_command_per_node_and_action"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.action} to {self.node} for decision {self.decision_id}"
 
 
 class AppendOnly(Exception):

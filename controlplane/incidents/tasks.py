@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 # The project's app, not shared_task's current one: a process that enqueues (the ASGI server,
 # the detector) may never have loaded it, and would publish to Celery's default broker.
 from controlplane.celery import app
-from controlplane.incidents import decisions
+from controlplane.incidents import applying, decisions
 
 log = structlog.get_logger(__name__)
 
@@ -43,10 +43,14 @@ def enqueue_planning(decision_id: int) -> None:
 
 
 def requeue_overdue(*, planning_after_s: float = 30.0) -> tuple[list[int], list[str]]:
-    """Nothing is lost to a broker or worker restart: decisions planning for longer than
-    ``planning_after_s`` are queued again (planning twice is harmless), and proposals past
-    their deadline are applied now. Returns the re-queued ids and the deadlines' outcomes."""
+    """Nothing is lost to a broker, worker or Redis restart: decisions planning for longer than
+    ``planning_after_s`` are queued again (planning twice is harmless), proposals past their
+    deadline are applied now, commands still unacknowledged are sent again and decisions whose
+    agents stay silent too long fail. Returns the re-queued ids and the deadlines' outcomes."""
     stuck, late = decisions.overdue(planning_after_s=planning_after_s)
     for decision_id in stuck:
         enqueue_planning(decision_id)
-    return stuck, [decisions.apply_after_deadline(d) for d in late]
+    outcomes = [decisions.apply_after_deadline(d) for d in late]
+    applying.resend()
+    applying.expire()
+    return stuck, outcomes

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import structlog
 from channels.db import database_sync_to_async
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
@@ -78,7 +79,10 @@ async def run(period_s: float | None = None) -> None:
     next_overdue = 0.0
     try:
         while True:
-            await sweep(redis)
+            try:
+                await sweep(redis)
+            except RedisError as exc:  # Redis restarting: the deadline waits for it
+                log.warning("detector.redis_lost", error=str(exc))
             if time.monotonic() >= next_overdue:
                 await database_sync_to_async(requeue_overdue)()
                 next_overdue = time.monotonic() + OVERDUE_PERIOD_S

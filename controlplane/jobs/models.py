@@ -55,7 +55,8 @@ class Job(models.Model):
 
 
 class NodeStatus(models.TextChoices):
-    HEALTHY = "healthy"
+    PENDING = "pending"  # no agent has said hello for it yet
+    HEALTHY = "healthy"  # its agent is connected
     SUSPECT = "suspect"  # a heartbeat is late
     FAILED = "failed"
     LEFT = "left"  # said goodbye
@@ -67,7 +68,7 @@ class Node(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="nodes")
     name = models.CharField(max_length=200)
     index = models.PositiveIntegerField(help_text="node number in the cluster (device // per node)")
-    status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.HEALTHY)
+    status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.PENDING)
 
     class Meta:
         ordering = ("job", "index")

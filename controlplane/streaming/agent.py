@@ -5,13 +5,20 @@ stable code, and the socket closes only for the fatal codes. After ``hello`` (ch
 job's agent token, node and devices) heartbeats go to Redis, never the database; a ``fault``
 frame and a socket that closes without ``goodbye`` are recorded as failures at once, and
 planning is handed to Celery after the commit. Nothing one agent sends reaches another job.
+
+Commands reach the socket through the process's ``hub`` (no channel layer: see there). The
+consumer sends its node's unfinished commands again at ``hello``, records acknowledgements,
+and while a command awaits the agent's return to training, reports the heartbeats that show it
+(``incidents.applying``); otherwise a heartbeat touches nothing but Redis.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +28,12 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from controlplane.incidents import decisions
+from controlplane.incidents import applying, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness
 from controlplane.jobs.models import AgentToken, Device, Node, NodeStatus
+from controlplane.streaming import hub
 from worker_agent import protocol
 from worker_agent.protocol import ErrorCode, ProtocolError
 
@@ -110,20 +118,45 @@ def _goodbye(session: Session) -> None:
     Node.objects.filter(pk=session.node_id).update(status=NodeStatus.LEFT)
 
 
-def node_group(job_id: int, node: str) -> str:
-    return f"agent.{job_id}.{node}"
+@dataclass
+class Awaited:
+    """A command sent to this agent: acknowledged yet, and the step it resumed training at."""
+
+    acked: bool = False
+    resumed_step: int | None = None
+
+
+def _training(frame: protocol.Heartbeat) -> bool:
+    """The node trains: some device is training, none is paused, restoring or failed."""
+    states = {report.state for report in frame.devices}
+    return protocol.DeviceState.TRAINING in states and states <= {
+        protocol.DeviceState.TRAINING,
+        protocol.DeviceState.IDLE,
+    }
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
     """One agent's conversation; see the module docstring."""
 
+    channel_layer_alias = None  # no layer: commands come through the hub
     session: Session | None = None
     last_seq = -1
     last_heard_s: float | None = None
     leaving = False  # goodbye received, or replaced: the close is not a failure
 
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        # Channels closes stale database connections before every message, through a thread
+        # hop that serialises the process; every database call here goes through
+        # database_sync_to_async, which does that itself, so heartbeats skip the hop.
+        handler = getattr(self, message["type"].replace(".", "_"), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
+
     async def connect(self) -> None:
         self.redis = liveness.client()
+        self.id = uuid.uuid4().hex
+        self.awaited: dict[str, Awaited] = {}
         await self.accept()
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
@@ -158,7 +191,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=1000)
             return
         if isinstance(frame, protocol.Ack):
-            raise ProtocolError(ErrorCode.UNKNOWN_COMMAND, f"no command {frame.command!r} was sent")
+            await self.acked(frame)
+            return
         if frame.seq <= self.last_seq:
             raise ProtocolError(
                 ErrorCode.OUT_OF_ORDER,
@@ -176,6 +210,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             except RedisError as exc:
                 # Redis restarting: this beat is lost, the agent is not (the next beat lands)
                 log.warning("agent.beat_lost", node=self.session.node, error=str(exc))
+            if self.awaited and _training(frame):
+                await self.trains(frame.step)
         elif isinstance(frame, protocol.Fault):
             foreign = sorted(set(frame.devices) - self.session.devices)
             if foreign:
@@ -189,14 +225,55 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 "agent.fault", job=self.session.job_id, node=self.session.node, decision=decision
             )
 
+    async def acked(self, frame: protocol.Ack) -> None:
+        session = self.session
+        assert session is not None
+        command = await database_sync_to_async(applying.acked)(session.node_id, frame)
+        if command is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_COMMAND,
+                f"no command {frame.command!r} was sent to this node",
+                field="command",
+            )
+        if frame.ok:
+            self.awaited.setdefault(frame.command, Awaited()).acked = True
+        else:
+            self.awaited.pop(frame.command, None)
+        log.info("agent.ack", node=session.node, command=frame.command, ok=frame.ok)
+
+    async def trains(self, step: int) -> None:
+        """The node trains at ``step``: tell each acknowledged command's decision, once per
+        stage (resumed, then a step past it)."""
+        for command, awaited in list(self.awaited.items()):
+            if not awaited.acked or (
+                awaited.resumed_step is not None and step <= awaited.resumed_step
+            ):
+                continue
+            resumed = await database_sync_to_async(applying.progress)(command, step=step)
+            if resumed is None:
+                self.awaited.pop(command, None)  # done, or its decision moved on
+            else:
+                awaited.resumed_step = resumed
+
+    async def on_hub(self, message: dict[str, Any]) -> None:
+        """A message published to this node (``hub``): a command, or a newer connection."""
+        if message.get("replaced_by", self.id) != self.id:
+            await self.refuse(
+                ProtocolError(ErrorCode.REPLACED, "another connection took this node")
+            )
+        elif "command" in message:
+            await self.command(message["command"])
+
+    async def command(self, frame: dict[str, Any]) -> None:
+        self.awaited.setdefault(str(frame["id"]), Awaited())
+        await self.send(json.dumps(frame, separators=(",", ":")))
+
     async def open(self, frame: protocol.Hello) -> None:
         self.session = session = await database_sync_to_async(_hello)(frame)
-        group = node_group(session.job_id, session.node)
-        # an older connection of the same node steps aside
-        await self.channel_layer.group_send(
-            group, {"type": "agent.replaced", "by": self.channel_name}
-        )
-        await self.channel_layer.group_add(group, self.channel_name)
+        # an older connection of the same node steps aside, in whichever process it is
+        with contextlib.suppress(RedisError):
+            await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
+        await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
         self.last_heard_s = time.time()
         await liveness.beat(self.redis, session.job_id, session.node, self.last_heard_s, {})
         await self.send(
@@ -211,19 +288,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
         )
         log.info("agent.hello", job=session.job_id, node=session.node)
-
-    async def agent_replaced(self, message: dict[str, Any]) -> None:
-        if message["by"] != self.channel_name:
-            await self.refuse(
-                ProtocolError(ErrorCode.REPLACED, "another connection took this node")
-            )
+        # what was sent while this agent was away, or not acknowledged before it reconnected
+        for unfinished in await database_sync_to_async(applying.unfinished)(session.node_id):
+            if unfinished.acked:
+                self.awaited[unfinished.id] = Awaited(True, unfinished.resumed_step)
+            else:
+                await self.command(unfinished.frame)
 
     async def disconnect(self, code: int) -> None:
         session = self.session
         if session is not None:
-            await self.channel_layer.group_discard(
-                node_group(session.job_id, session.node), self.channel_name
-            )
+            hub.hub().leave(session.job_id, session.node, self.id)
             if not self.leaving:
                 with contextlib.suppress(RedisError):  # best effort: Redis may be restarting
                     await liveness.forget(self.redis, session.job_id, session.node)

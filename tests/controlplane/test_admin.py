@@ -14,8 +14,13 @@ from django.test import Client
 from django.utils import timezone
 
 from controlplane.incidents import decisions, tasks
-from controlplane.incidents.models import DecisionStatus, FailureSource, RecoveryDecision
-from controlplane.jobs.models import Job
+from controlplane.incidents.models import (
+    AgentCommand,
+    DecisionStatus,
+    FailureSource,
+    RecoveryDecision,
+)
+from controlplane.jobs.models import Job, NodeStatus
 from controlplane.jobs.services import create_job
 
 pytestmark = pytest.mark.django_db
@@ -31,6 +36,7 @@ PAGES = [
     "jobs/agenttoken",
     "incidents/failure",
     "incidents/recoverydecision",
+    "incidents/agentcommand",
     "incidents/timelineevent",
 ]
 
@@ -40,6 +46,7 @@ def jobs_with_decisions(count: int) -> None:
         job, _ = create_job(
             f"job-{Job.objects.count()}", copy.deepcopy(SCENARIO), approval_mode="manual"
         )
+        job.nodes.update(status=NodeStatus.HEALTHY)  # as if every agent had said hello
         _, decision = decisions.record_failure(
             job,
             kind="crash",
@@ -49,6 +56,11 @@ def jobs_with_decisions(count: int) -> None:
         )
         # planned by the Celery task, run in this process
         assert tasks.plan_recovery.apply((decision.pk,)).get() == DecisionStatus.PROPOSED
+        if i % 2:  # half of them approved: their plan is being sent to the agents
+            operator = User.objects.get_or_create(username="olga")[0]
+            decisions.approve(decision.pk, user=operator)
+    applying = Job.objects.filter(decisions__status=DecisionStatus.APPLYING)
+    assert AgentCommand.objects.count() == sum(job.nodes.count() for job in applying)
 
 
 @pytest.mark.parametrize("page", PAGES)

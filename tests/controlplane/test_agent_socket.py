@@ -133,7 +133,7 @@ async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
         time.sleep(0.02)
     assert failure is not None and failure.devices == [2] and failure.source == "agent"
     decision = await database_sync_to_async(RecoveryDecision.objects.get)(failure=failure)
-    assert decision.status == DecisionStatus.AUTO_APPLIED  # planned in this process (eager)
+    assert decision.status == DecisionStatus.APPLYING  # planned in this process (eager)
 
 
 async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:

@@ -93,7 +93,7 @@ def test_only_operators_approve(role: str, code: int) -> None:
     decision = proposed()
     response = post(client_as(role), f"/api/v1/recoveries/{decision.pk}/approve/", {})
     assert response.status_code == code
-    expected = DecisionStatus.APPROVED if code == 200 else DecisionStatus.PROPOSED
+    expected = DecisionStatus.APPLYING if code == 200 else DecisionStatus.PROPOSED
     assert RecoveryDecision.objects.get(pk=decision.pk).status == expected
 
 
@@ -180,7 +180,7 @@ def test_an_operator_overrides_with_another_candidate() -> None:
     )
     assert response.status_code == 200
     body = response.json()
-    assert body["status"] == "overridden" and body["chosen"] == other
+    assert body["status"] == "applying" and body["chosen"] == other
     assert body["plan"] == decision.candidates[other]["plan"]
 
 
@@ -236,7 +236,13 @@ def test_the_recovery_timeline_breaks_down_into_phases_and_exports_as_csv() -> N
     url = f"/api/v1/recoveries/{decision.pk}/timeline/"
     body = client.get(url).json()
     kinds = [e["kind"] for e in body["results"]]
-    assert kinds == ["failure_detected", "planning_started", "proposed", "auto_applied"]
+    assert kinds == [
+        "failure_detected",
+        "planning_started",
+        "proposed",
+        "auto_applied",
+        "applying",
+    ]
     assert all(e["at"].endswith("Z") for e in body["results"]), "UTC ISO 8601"
     phases = {p["phase"]: p["seconds"] for p in body["phases"]}
     assert list(phases) == ["detect", "plan", "approve", "transfer", "restart", "first_step"]
@@ -254,9 +260,9 @@ def test_job_timelines_filter_by_time_and_refuse_bad_times() -> None:
     client = client_as("viewer")
     url = f"/api/v1/jobs/{decision.job_id}/timeline/"
     events = client.get(url).json()["results"]
-    assert len(events) == 4
+    assert len(events) == 5
     later = client.get(url, {"since": events[2]["at"]}).json()["results"]
-    assert [e["kind"] for e in later] == ["proposed", "auto_applied"]
+    assert [e["kind"] for e in later] == ["proposed", "auto_applied", "applying"]
     bad = client.get(url, {"since": "yesterday"})
     assert (bad.status_code, bad.json()["field"]) == (400, "since")
     assert client.get(url, {"format": "csv", "until": events[1]["at"]}).content.count(b"\n") == 2

@@ -131,7 +131,7 @@ def test_auto_job_applies_the_best_candidate_and_records_each_step() -> None:
     assert decision.status == DecisionStatus.PLANNING
     assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING
     assert 0.2 <= failure.detection_latency_s < 5
-    assert decisions.plan(decision.pk) == DecisionStatus.AUTO_APPLIED
+    assert decisions.plan(decision.pk) == DecisionStatus.APPLYING
     decision = reload(decision)
     candidates = decision.candidates
     assert [c["policy"] for c in candidates] == ["odyssey", "rerouting", "checkpoint"]
@@ -143,7 +143,14 @@ def test_auto_job_applies_the_best_candidate_and_records_each_step() -> None:
     assert 5 not in {
         d for p in decision.plan["pipelines"] for s in p["stages"] for d in s["devices"]
     }
-    assert events(job) == ["failure_detected", "planning_started", "proposed", "auto_applied"]
+    assert events(job) == [
+        "failure_detected",
+        "planning_started",
+        "proposed",
+        "auto_applied",
+        "applying",
+    ]
+    assert Job.objects.get(pk=job.pk).plan == decision.plan  # the plan the agents are sent
 
 
 def test_planning_twice_changes_nothing_the_second_time() -> None:
@@ -222,11 +229,11 @@ def test_an_operator_approves_once(operator: User) -> None:
     decision = proposed()
     assert decision.status == DecisionStatus.PROPOSED
     approved = decisions.approve(decision.pk, user=operator, reason="looks right")
-    assert approved.status == DecisionStatus.APPROVED and approved.chosen_by == operator
-    event = TimelineEvent.objects.filter(decision=decision).last()
-    assert event is not None and event.actor == "olga"
+    assert approved.status == DecisionStatus.APPLYING and approved.chosen_by == operator
+    event = TimelineEvent.objects.get(decision=decision, kind="approved")
+    assert event.actor == "olga"
     assert event.payload == {"from": "proposed", "reason": "looks right"}
-    with pytest.raises(IllegalTransition, match="approved; it cannot become approved"):
+    with pytest.raises(IllegalTransition, match="applying; it cannot become approved"):
         decisions.approve(decision.pk, user=operator)
 
 
@@ -249,7 +256,8 @@ def test_an_override_with_another_candidate_must_pick_a_feasible_one(operator: U
     other = 1 - (decision.chosen or 0)
     assert codes[other] == "ok"
     overridden = decisions.override(decision.pk, user=operator, candidate=other, reason="slower")
-    assert overridden.status == DecisionStatus.OVERRIDDEN and overridden.chosen == other
+    assert overridden.status == DecisionStatus.APPLYING and overridden.chosen == other
+    assert TimelineEvent.objects.filter(decision=decision, kind="overridden").exists()
     assert overridden.plan == decision.candidates[other]["plan"]
 
 
@@ -264,7 +272,7 @@ def test_an_edited_plan_is_checked_by_the_core(operator: User) -> None:
     assert error.value.field is not None and error.value.field.startswith("plan.pipelines[0]")
     assert reload(decision).status == DecisionStatus.PROPOSED
     fine = decisions.override(decision.pk, user=operator, edited_plan=decision.plan, reason="ok")
-    assert fine.status == DecisionStatus.OVERRIDDEN and fine.chosen is None
+    assert fine.status == DecisionStatus.APPLYING and fine.chosen is None
 
 
 def test_the_timeout_applies_the_proposal_only_after_the_deadline(operator: User) -> None:
@@ -274,12 +282,14 @@ def test_the_timeout_applies_the_proposal_only_after_the_deadline(operator: User
     RecoveryDecision.objects.filter(pk=decision.pk).update(
         deadline_at=timezone.now() - dt.timedelta(seconds=1)
     )
-    assert decisions.apply_after_deadline(decision.pk) == DecisionStatus.AUTO_APPLIED
-    assert TimelineEvent.objects.filter(decision=decision).last().actor == "timeout"  # type: ignore[union-attr]
+    assert decisions.apply_after_deadline(decision.pk) == DecisionStatus.APPLYING
+    assert TimelineEvent.objects.get(decision=decision, kind="auto_applied").actor == "timeout"
     chosen = proposed(ApprovalMode.MANUAL_WITH_TIMEOUT, 2)
     decisions.approve(chosen.pk, user=operator)
     RecoveryDecision.objects.filter(pk=chosen.pk).update(deadline_at=timezone.now())
-    assert decisions.apply_after_deadline(chosen.pk) == DecisionStatus.APPROVED
+    assert decisions.apply_after_deadline(chosen.pk) == DecisionStatus.APPLYING
+    assert TimelineEvent.objects.get(decision=chosen, kind="approved").actor == "olga"
+    assert not TimelineEvent.objects.filter(decision=chosen, kind="auto_applied").exists()
 
 
 # --- the state machine ---------------------------------------------------------------------
@@ -398,8 +408,8 @@ def test_overdue_decisions_are_planned_again_and_late_proposals_applied() -> Non
     RecoveryDecision.objects.filter(pk=timed.pk).update(
         deadline_at=timezone.now() - dt.timedelta(seconds=1)
     )
-    assert requeue_overdue(planning_after_s=30) == ([], [DecisionStatus.AUTO_APPLIED])
-    assert reload(timed).status == DecisionStatus.AUTO_APPLIED
+    assert requeue_overdue(planning_after_s=30) == ([], [DecisionStatus.APPLYING])
+    assert reload(timed).status == DecisionStatus.APPLYING
 
 
 def test_devices_reported_again_change_nothing() -> None:

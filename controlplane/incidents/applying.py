@@ -1,0 +1,251 @@
+"""Applying a chosen plan: a command to every connected agent, then their progress back to a
+recovered decision.
+
+``begin`` runs in the transaction that chose the plan (approval, override, the job's mode or
+its deadline): the decision becomes ``applying``, the plan becomes the job's, and one command
+row per connected node is written; the commands are published only after the commit. An agent
+acknowledges its command by id (``acked``), then reports training again and completes a step
+(``progress``); when every agent has, the decision is ``recovered`` and the job runs again.
+
+Nothing is lost to a restart: commands live in the database, a reconnecting agent is sent its
+unacknowledged ones (``unfinished``), ``resend`` publishes again what stayed unacknowledged, and
+agents drop a command id they have seen, so nothing is applied twice. A decision whose agents
+stay silent past ``PITSTOP_APPLY_TIMEOUT_S`` fails, naming them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+from redis.exceptions import RedisError
+
+from controlplane.incidents.models import (
+    AgentCommand,
+    DecisionStatus,
+    EventKind,
+    RecoveryDecision,
+)
+from controlplane.incidents.transitions import IllegalTransition, record, transition
+from controlplane.jobs.models import Device, DeviceState, Job, JobStatus, Node, NodeStatus
+from controlplane.streaming import hub
+from worker_agent import protocol
+
+log = structlog.get_logger(__name__)
+
+# A command not acknowledged after this many seconds is published again.
+RESEND_AFTER_S = 5.0
+
+
+def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
+    """Start applying ``decision``'s plan; call inside the transaction that chose it."""
+    job = decision.job
+    nodes = list(Node.objects.filter(job=job, status=NodeStatus.HEALTHY).order_by("index"))
+    commands = []
+    for node in nodes:
+        command_id = uuid.uuid4()
+        frame = protocol.Command(
+            id=str(command_id),
+            action=protocol.Action.APPLY_PLAN,
+            decision=decision.pk,
+            plan=decision.plan,
+        )
+        commands.append(
+            AgentCommand(
+                id=command_id,
+                decision=decision,
+                node=node,
+                action=frame.action.value,
+                frame=frame.model_dump(mode="json", exclude_none=True),
+            )
+        )
+    ids = [c.id for c in commands]
+    applying = transition(
+        decision.pk,
+        DecisionStatus.APPLYING,
+        actor=actor,
+        payload={"nodes": [n.name for n in nodes]},
+        after_commit=lambda _: _send_quietly(ids),
+    )
+    AgentCommand.objects.bulk_create(commands)
+    for command in commands:
+        record(job, EventKind.COMMAND_SENT, actor="system", decision=applying,
+               node=command.node.name, command=str(command.id), action=command.action)  # fmt: skip
+    _plan_becomes_the_jobs(job, applying.plan)
+    return applying
+
+
+def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
+    """The job runs ``plan`` from now on: its devices used, the others idle (or still down)."""
+    used = {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+    Job.objects.filter(pk=job.pk).update(plan=plan)
+    alive = Device.objects.filter(job=job).exclude(state=DeviceState.FAILED)
+    alive.filter(index__in=used).update(state=DeviceState.HEALTHY)
+    alive.exclude(index__in=used).update(state=DeviceState.SPARE)
+
+
+def _send_quietly(command_ids: list[uuid.UUID]) -> None:
+    send(command_ids)
+
+
+def send(command_ids: Iterable[uuid.UUID]) -> int:
+    """Publish the commands still unacknowledged to their nodes; how many went out (with Redis
+    down, none: ``resend`` tries again)."""
+    sent = 0
+    pending = AgentCommand.objects.filter(pk__in=list(command_ids), acked_at__isnull=True)
+    for command in pending.select_related("node"):
+        try:
+            hub.publish(command.node.job_id, command.node.name, {"command": command.frame})
+        except (RedisError, OSError) as exc:
+            log.warning("command.send_failed", command=str(command.pk), error=str(exc))
+            continue
+        AgentCommand.objects.filter(pk=command.pk).update(
+            sent_at=timezone.now(), sends=F("sends") + 1
+        )
+        sent += 1
+    return sent
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A command a node's agent has yet to see through: the frame, and how far it got."""
+
+    id: str
+    frame: dict[str, object]
+    acked: bool
+    resumed_step: int | None
+
+
+def unfinished(node_id: int) -> list[Unfinished]:
+    """The node's commands of decisions still applying that it has not completed a step under
+    (a reconnecting agent is sent again those it has not acknowledged)."""
+    found = AgentCommand.objects.filter(
+        node_id=node_id, decision__status=DecisionStatus.APPLYING, stepped_at__isnull=True
+    ).exclude(ok=False)
+    return [
+        Unfinished(str(c.pk), c.frame, c.acked_at is not None, c.resumed_step)
+        for c in found.order_by("created_at")
+    ]
+
+
+def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
+    """Record an agent's acknowledgement; None when its node was sent no such command. A
+    refusal fails the decision with the agent's reason; an acknowledgement sent twice counts
+    once."""
+    try:
+        command_id = uuid.UUID(ack.command)
+    except ValueError:
+        return None
+    with transaction.atomic():
+        command = (
+            AgentCommand.objects.select_for_update()
+            .select_related("decision__job", "node")
+            .filter(pk=command_id, node_id=node_id)
+            .first()
+        )
+        if command is None or command.acked_at is not None:
+            return command
+        error = "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
+        command.acked_at, command.ok, command.error = timezone.now(), ack.ok, error
+        command.save(update_fields=["acked_at", "ok", "error"])
+        decision, job = command.decision, command.decision.job
+        record(job, EventKind.COMMAND_ACKED, actor=f"agent:{command.node.name}",
+               decision=decision, node=command.node.name, command=str(command.pk), ok=ack.ok,
+               error=error)  # fmt: skip
+        if not ack.ok and decision.status == DecisionStatus.APPLYING:
+            reason = f"{command.node.name} refused the plan: {error or 'no reason given'}"
+            _fail(decision.pk, reason, actor=f"agent:{command.node.name}")
+    return command
+
+
+def progress(command_id: str, *, step: int) -> int | None:
+    """An agent acknowledged its command and its devices report training at ``step``.
+
+    The first report marks it resumed (at that step); a later one past that step marks its
+    first step done. When every agent of the decision has resumed, the timeline says so; when
+    every one has completed a step, the decision is recovered and the job runs at the step.
+    Returns the step the agent resumed at while a step is still awaited, else None (done, or
+    the decision moved on).
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        command = (
+            AgentCommand.objects.select_for_update()
+            .select_related("decision__job")
+            .filter(pk=command_id)
+            .first()
+        )
+        if command is None or command.decision.status != DecisionStatus.APPLYING:
+            return None
+        decision = RecoveryDecision.objects.select_for_update().get(pk=command.decision_id)
+        if decision.status != DecisionStatus.APPLYING:
+            return None
+        if command.resumed_at is None:
+            command.resumed_at, command.resumed_step = now, step
+        elif command.stepped_at is None and step > (command.resumed_step or 0):
+            command.stepped_at = now
+        command.save(update_fields=["resumed_at", "resumed_step", "stepped_at"])
+        siblings = AgentCommand.objects.filter(decision=decision)
+        job = command.decision.job
+        if command.stepped_at is None:
+            if not siblings.filter(resumed_at__isnull=True).exists():
+                record(job, EventKind.RESUMED, actor="system", decision=decision, step=step)
+            return command.resumed_step
+        if not siblings.filter(stepped_at__isnull=True).exists():
+            record(job, EventKind.FIRST_STEP, actor="system", decision=decision, step=step)
+            transition(decision.pk, DecisionStatus.RECOVERED, actor="system",
+                       payload={"step": step})  # fmt: skip
+            Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING, step=step)
+    return None
+
+
+def _fail(decision_id: int, reason: str, *, actor: str) -> None:
+    decision = transition(
+        decision_id, DecisionStatus.FAILED, actor=actor, payload={"reason": reason}, reason=reason
+    )
+    Job.objects.filter(pk=decision.job_id).update(status=JobStatus.FAILED)
+    log.warning("decision.apply_failed", decision=decision_id, reason=reason)
+
+
+def resend(*, after_s: float = RESEND_AFTER_S) -> int:
+    """Publish again every command of an applying decision unacknowledged for ``after_s``
+    (lost to a Redis restart, or sent while its agent was reconnecting)."""
+    before = timezone.now() - dt.timedelta(seconds=after_s)
+    stale = AgentCommand.objects.filter(
+        Q(sent_at__lt=before) | Q(sent_at__isnull=True),
+        decision__status=DecisionStatus.APPLYING,
+        acked_at__isnull=True,
+    )
+    return send(stale.values_list("pk", flat=True))
+
+
+def expire(*, timeout_s: float | None = None) -> list[int]:
+    """Fail every decision applying for longer than ``timeout_s`` (``PITSTOP_APPLY_TIMEOUT_S``),
+    naming the agents it still waits for; returns their ids."""
+    timeout_s = settings.PITSTOP_APPLY_TIMEOUT_S if timeout_s is None else timeout_s
+    before = timezone.now() - dt.timedelta(seconds=timeout_s)
+    failed = []
+    late = RecoveryDecision.objects.filter(status=DecisionStatus.APPLYING, updated_at__lt=before)
+    for decision in late:
+        waiting = sorted(
+            decision.commands.filter(stepped_at__isnull=True).values_list("node__name", flat=True)
+        )
+        reason = (
+            f"no step from {', '.join(waiting)} within {timeout_s:g} s"
+            if waiting
+            else "no agent was connected to apply the plan"
+        )
+        try:
+            _fail(decision.pk, reason, actor="timeout")
+        except IllegalTransition:
+            continue  # it recovered or was superseded meanwhile
+        failed.append(decision.pk)
+    return failed

@@ -1,0 +1,133 @@
+"""Messages to connected agents: one Redis pub/sub subscription per server process.
+
+An agent's consumer owns no channel-layer channel. With one per socket, every consumer waits on
+the layer's receive loop, and at 2,048 sockets that loop is the main cause of second-long tail
+stalls in heartbeat ingest (docs/architecture.md). Instead each process subscribes once, to
+``pitstop:agent:*``; a message published to a node's channel (``publish``) reaches the handler
+of that node's consumer, in whichever process holds its socket.
+
+Publishing is fire-and-forget: a message sent while a node has no socket, or lost to a Redis
+restart, is gone. Commands therefore live in the database and are sent again until their agent
+acknowledges them (``incidents.commands``); only what may be lost travels here alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+from django.conf import settings
+from redis.exceptions import RedisError
+
+log = structlog.get_logger(__name__)
+
+PATTERN = "pitstop:agent:*"
+Handler = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def channel(job_id: int, node: str) -> str:
+    return f"pitstop:agent:{job_id}:{node}"
+
+
+_publisher: redis.Redis | None = None
+
+
+def publish(job_id: int, node: str, message: dict[str, Any]) -> int:
+    """Send ``message`` to the node's consumer (from sync code: views, tasks); returns how many
+    server processes heard it. Raises ``RedisError`` when Redis is down."""
+    global _publisher
+    if _publisher is None:
+        _publisher = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+    return int(_publisher.publish(channel(job_id, node), json.dumps(message)))
+
+
+async def apublish(client: aioredis.Redis, job_id: int, node: str, message: dict[str, Any]) -> int:
+    """``publish`` from a consumer, on its own client."""
+    return int(await client.publish(channel(job_id, node), json.dumps(message)))
+
+
+class Hub:
+    """This event loop's subscription and the handlers of the nodes connected to it."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, dict[str, Handler]] = {}  # channel -> owner -> handler
+        self.subscribed = asyncio.Event()
+        self.reader: asyncio.Task[None] | None = None
+
+    async def join(self, job_id: int, node: str, owner: str, handler: Handler) -> None:
+        """Deliver the node's messages to ``owner``'s ``handler`` from now on (waits for the
+        subscription, at most a few seconds: a message published after ``join`` is heard)."""
+        self.handlers.setdefault(channel(job_id, node), {})[owner] = handler
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.subscribed.wait(), timeout=5)
+
+    def leave(self, job_id: int, node: str, owner: str) -> None:
+        key = channel(job_id, node)
+        mine = self.handlers.get(key, {})
+        mine.pop(owner, None)
+        if not mine:
+            self.handlers.pop(key, None)
+        if not self.handlers and self.reader is not None:
+            self.reader.cancel()  # nobody left to deliver to: the next join subscribes again
+            self.reader = None
+            self.subscribed.clear()
+
+    async def _read(self) -> None:
+        """Read the subscription for as long as a handler is joined; reconnect after a Redis
+        restart (messages published meanwhile are lost, which the senders allow for)."""
+        backoff = 0.1
+        while self.handlers:
+            client = aioredis.Redis.from_url(settings.REDIS_URL)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(PATTERN)
+                self.subscribed.set()
+                backoff = 0.1
+                while self.handlers:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        await self._deliver(message)
+            except RedisError as exc:
+                log.warning("hub.redis_lost", error=str(exc), retry_in_s=backoff)
+                self.subscribed.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+                    await client.aclose()
+        self.subscribed.clear()
+
+    async def _deliver(self, message: dict[str, Any]) -> None:
+        key = message["channel"].decode()
+        try:
+            body = json.loads(message["data"])
+        except ValueError:
+            log.warning("hub.malformed", channel=key)
+            return
+        for handler in list(self.handlers.get(key, {}).values()):
+            try:
+                await handler(body)
+            except Exception:  # one consumer's failure must not stop the others' messages
+                log.exception("hub.handler_failed", channel=key)
+
+
+_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Hub] = weakref.WeakKeyDictionary()
+
+
+def hub() -> Hub:
+    """The running event loop's hub (a server process has one loop; tests may have several)."""
+    loop = asyncio.get_running_loop()
+    found = _hubs.get(loop)
+    if found is None:
+        found = _hubs[loop] = Hub()
+    return found
