@@ -112,9 +112,13 @@ async def cluster() -> AsyncIterator[tuple[Job, dict[str, Agent]]]:
         await agent.socket.disconnect()
 
 
-@database_sync_to_async
-def latest(job: Job) -> RecoveryDecision:
-    return RecoveryDecision.objects.select_related("job", "failure").filter(job=job).latest("pk")
+async def latest(job: Job) -> RecoveryDecision:
+    found: RecoveryDecision = await database_sync_to_async(
+        lambda: (
+            RecoveryDecision.objects.select_related("job", "failure").filter(job=job).latest("pk")
+        )
+    )()
+    return found
 
 
 async def kinds(decision: RecoveryDecision) -> list[str]:
