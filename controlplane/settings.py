@@ -47,6 +47,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "controlplane.jobs",
     "controlplane.incidents",
+    "controlplane.simulations",
     "controlplane.api",
     "controlplane.streaming",
     "webui",

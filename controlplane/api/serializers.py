@@ -8,6 +8,7 @@ from rest_framework import serializers
 
 from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
 from controlplane.jobs.models import ApprovalMode, Job
+from controlplane.simulations.models import Sweep
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -130,3 +131,55 @@ class TimelineEventSerializer(serializers.ModelSerializer):
         model = TimelineEvent
         fields = ("id", "at", "kind", "actor", "decision", "failure", "payload")
         read_only_fields = fields
+
+
+class SweepSerializer(serializers.ModelSerializer):
+    progress = serializers.FloatField(read_only=True, help_text="share of pieces done, 0 to 1")
+    duration_s = serializers.FloatField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = Sweep
+        fields: tuple[str, ...] = (
+            "id",
+            "name",
+            "job",
+            "status",
+            "experiment",
+            "pieces_total",
+            "pieces_done",
+            "progress",
+            "workers",
+            "error",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "duration_s",
+        )
+        read_only_fields: tuple[str, ...] = fields
+
+
+class SweepDetailSerializer(SweepSerializer):
+    class Meta(SweepSerializer.Meta):
+        fields = (*SweepSerializer.Meta.fields, "summary")
+        read_only_fields = fields
+
+
+class SweepCreateSerializer(serializers.Serializer):
+    """A sweep of a job's scenario (``job``) or of one given here (``scenario``)."""
+
+    name = serializers.CharField(max_length=200, default="", allow_blank=True)
+    job = serializers.PrimaryKeyRelatedField(queryset=Job.objects.all(), required=False)
+    scenario = serializers.JSONField(required=False, help_text="the core's scenario format")
+    hours = serializers.FloatField(default=9.0, min_value=0.001, max_value=100_000)
+    policies = serializers.ListField(child=serializers.CharField(), min_length=1)
+    seeds = serializers.IntegerField(default=1, min_value=1, max_value=1000)
+    base_seed = serializers.IntegerField(default=0, min_value=0)
+    trace = serializers.DictField(
+        default=dict, help_text="how to draw failures: the simulator's trace fields (docs)"
+    )
+    options = serializers.DictField(child=serializers.DictField(), default=dict)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if ("job" in data) == ("scenario" in data):
+            raise serializers.ValidationError({"job": ["give either a job or a scenario"]})
+        return data

@@ -12,6 +12,7 @@ router = DefaultRouter()
 router.register("jobs", views.JobViewSet, basename="job")
 router.register("failures", views.FailureViewSet, basename="failure")
 router.register("recoveries", views.RecoveryViewSet, basename="recovery")
+router.register("simulations", views.SweepViewSet, basename="simulation")
 
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),

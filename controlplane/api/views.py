@@ -27,6 +27,8 @@ from controlplane.incidents import decisions
 from controlplane.incidents.models import EventKind, Failure, RecoveryDecision, TimelineEvent
 from controlplane.jobs.models import DeviceState, Job
 from controlplane.jobs.services import create_job
+from controlplane.simulations import sweeps
+from controlplane.simulations.models import Sweep
 
 TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "payload")
 
@@ -262,4 +264,38 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
         return _timeline_response(self, request, events, phases=phases(decision, list(events)))
 
 
-__all__ = ["FailureViewSet", "JobViewSet", "RecoveryViewSet", "policies"]
+class SweepViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Simulation sweeps, newest first: every policy over many seeds, run as parallel Celery
+    tasks; operators start one and watch ``progress``, the summary comes when it is done."""
+
+    queryset = Sweep.objects.order_by("-created_at", "-pk")
+
+    def get_permissions(self) -> list[Any]:
+        return [CanOperate() if self.action == "create" else CanRead()]
+
+    def get_serializer_class(self) -> type[Any]:
+        if self.action == "create":
+            return s.SweepCreateSerializer
+        return s.SweepDetailSerializer if self.action == "retrieve" else s.SweepSerializer
+
+    @extend_schema(request=s.SweepCreateSerializer, responses={202: s.SweepDetailSerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        given = s.SweepCreateSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        data = dict(given.validated_data)
+        job = data.pop("job", None)
+        name = data.pop("name")
+        scenario = job.scenario if job is not None else data.pop("scenario")
+        sweep = sweeps.start(
+            scenario=scenario, experiment=data, name=name, job=job, user=request.user
+        )
+        shown = s.SweepDetailSerializer(Sweep.objects.get(pk=sweep.pk)).data
+        return Response(shown, status=status.HTTP_202_ACCEPTED)
+
+
+__all__ = ["FailureViewSet", "JobViewSet", "RecoveryViewSet", "SweepViewSet", "policies"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import given, settings
@@ -80,3 +80,29 @@ def test_options_reach_the_named_policy_and_bad_ones_are_refused() -> None:
         decide(state, failure, policies=["rerouting"], options={"dynamic": {"exhaustive": True}})
     with pytest.raises(policies.InvalidOption, match="takes no option 'exhaustive'"):
         decide(state, failure, policies=["rerouting"], options={"rerouting": {"exhaustive": 1}})
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "accepted"),
+    [
+        ("oobleck", {"f": 2}, True),
+        ("oobleck", {"f": "many"}, False),
+        ("oobleck", {"f": 2.5}, False),  # a count is an int
+        ("oobleck", {"f": True}, False),  # a bool is no count
+        ("oobleck", {"regroup_s": 3}, True),  # an int is a fine float
+        ("checkpoint", {"restart_min_s": float("nan")}, False),
+        ("dynamic", {"exhaustive": 1}, False),
+        ("varuna", {"checkpoint_s": None}, True),
+        ("checkfree", {"restart_s": None}, False),
+    ],
+)
+def test_option_values_of_the_wrong_type_are_refused_naming_the_option(
+    name: str, options: dict[str, Any], accepted: bool
+) -> None:
+    if accepted:
+        built = policies.get(name, **options)
+        assert all(getattr(built, key) == value for key, value in options.items())
+        return
+    with pytest.raises(policies.InvalidOption) as caught:
+        policies.get(name, **options)
+    assert caught.value.field == f"options.{name}.{next(iter(options))}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +96,36 @@ def get(name: str, **options: Any) -> Policy:
     policy takes.
     """
     known = option_defaults(name)
-    for key in options:
+    for key, value in options.items():
         if key not in known:
             raise InvalidOption(
                 f"policy {name!r} takes no option {key!r}; it takes: {', '.join(known) or 'none'}",
                 field=f"options.{name}.{key}",
             )
+        _check_type(name, key, value)
     return _class(name)(**dict(_entry(name).preset), **options)
+
+
+def _check_type(name: str, key: str, value: Any) -> None:
+    """Refuse an option value of the wrong type: a policy's options are bools, ints, finite
+    floats (ints accepted) or None where its field allows it."""
+    declared = {f.name: f.type for f in dataclasses.fields(_class(name))}[key]
+    allowed = {t.strip() for t in str(declared).split("|")}
+    ok = (
+        (value is None and "None" in allowed)
+        or (isinstance(value, bool) and "bool" in allowed)
+        or (
+            not isinstance(value, bool)
+            and isinstance(value, int | float)
+            and ("float" in allowed or ("int" in allowed and isinstance(value, int)))
+            and math.isfinite(value)
+        )
+    )
+    if not ok:
+        raise InvalidOption(
+            f"policy {name!r} option {key!r} must be {' or '.join(sorted(allowed))}, got {value!r}",
+            field=f"options.{name}.{key}",
+        )
 
 
 _P = "controlplane.recovery.policies."

@@ -75,9 +75,32 @@ class Recovery:
             "after_wait": self.after_wait,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recovery:
+        """The recovery ``to_dict`` wrote."""
+        return cls(
+            at_s=data["at_s"],
+            devices=tuple(data["devices"]),
+            kind=data["kind"],
+            feasible=data["feasible"],
+            code=Code(data["code"]),
+            note=data["note"],
+            option=None if data["option"] is None else Option(data["option"]),
+            family=data["family"],
+            transition=tuple((Cause(c), s) for c, s in data["transition_s"].items()),
+            step_before_s=_infinite(data["step_before_s"]),
+            step_after_s=_infinite(data["step_after_s"]),
+            plan_devices=data["plan_devices"],
+            after_wait=data["after_wait"],
+        )
+
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def _infinite(x: float | None) -> float:
+    return math.inf if x is None else x
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +171,18 @@ class Run:
             ],
             "recoveries": [r.to_dict() for r in self.recoveries],
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], global_batch: int) -> Run:
+        """The run ``to_dict`` wrote (it leaves the batch out: the scenario has it)."""
+        return cls(
+            policy=data["policy"],
+            seed=data["seed"],
+            horizon_s=data["horizon_s"],
+            global_batch=global_batch,
+            segments=tuple(
+                Segment(start, end, Cause(cause), _infinite(step))
+                for start, end, cause, step in data["segments"]
+            ),
+            recoveries=tuple(Recovery.from_dict(r) for r in data["recoveries"]),
+        )
