@@ -109,7 +109,9 @@ def get(name: str, **options: Any) -> Policy:
 def _check_type(name: str, key: str, value: Any) -> None:
     """Refuse an option value of the wrong type: a policy's options are bools, ints, finite
     floats (ints accepted) or None where its field allows it."""
-    declared = {f.name: f.type for f in dataclasses.fields(_class(name))}[key]
+    cls = _class(name)
+    assert dataclasses.is_dataclass(cls)  # a policy with options is a dataclass
+    declared = {f.name: f.type for f in dataclasses.fields(cls)}[key]
     allowed = {t.strip() for t in str(declared).split("|")}
     ok = (
         (value is None and "None" in allowed)
