@@ -34,7 +34,7 @@ PAGES = sorted(
 )
 PROMPT = re.compile(r"^(?:\.venv/bin/)?python -m (?=\S)")
 # What the commands read or import; copied once per session, so their outputs stay in tmp.
-COPIED = ("benchmarks", "controlplane", "examples")
+COPIED = ("benchmarks", "controlplane", "examples", "webui", "worker_agent")
 
 # Extra arguments that shrink a documented command (module and subcommand) to a few seconds:
 # one seed, a short horizon, one cell of a table. They come after the documented arguments, so
@@ -49,6 +49,7 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.planner_scaling", None): ("--sizes", "32", "--baseline-budget", "0.5"),
     ("benchmarks.simulator_speed", None): ("--sizes", "64", "--days", "0.02", "--no-baseline"),
     ("benchmarks.pitstop_gain", None): ("--seeds", "1", "--hours", "0.2", "--rows", "0,8"),
+    ("benchmarks.sweep_workers", None): ("--seeds", "1", "--hours", "0.5"),
 }
 # Where a command's JSON lands when it does not print "wrote PATH": the simulator's summary.
 SUMMARY = "summary.json"
