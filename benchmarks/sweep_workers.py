@@ -93,7 +93,7 @@ def timed_sweep(experiment: dict[str, Any], label: str) -> tuple[float, dict[str
     import json
 
     from controlplane.simulations import sweeps
-    from controlplane.simulations.models import Sweep, SweepStatus
+    from controlplane.simulations.models import SweepStatus
 
     scenario = json.loads(SCENARIO.read_text())
     began = time.perf_counter()
@@ -108,7 +108,7 @@ def timed_sweep(experiment: dict[str, Any], label: str) -> tuple[float, dict[str
     seconds = time.perf_counter() - began
     if sweep.status != SweepStatus.DONE:
         raise SystemExit(f"sweep {label} failed: {sweep.error}")
-    return seconds, sweep.summary, sweep.workers
+    return seconds, dict(sweep.summary or {}), sweep.workers
 
 
 def main(argv: list[str] | None = None) -> int:
