@@ -16,7 +16,12 @@ from django.conf import settings
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision, TimelineEvent
@@ -37,10 +42,17 @@ class ControlPlaneCollector(Collector):
             beats = int(client.get(liveness.BEATS_KEY) or 0)
             jobs = client.smembers(liveness.JOBS_KEY)
             connected = sum(int(client.zcard(liveness.seen_key(int(job)))) for job in jobs)
+            buckets, lag_sum = liveness.lag_histogram(client)
         finally:
             client.close()
         yield CounterMetricFamily(
             "pitstop_heartbeats", "heartbeats received from agents", value=beats
+        )
+        yield HistogramMetricFamily(
+            "pitstop_heartbeat_ingest_lag_seconds",
+            "from an agent sending a heartbeat (its clock) to the heartbeat written in Redis",
+            buckets=buckets,
+            sum_value=lag_sum,
         )
         yield GaugeMetricFamily(
             "pitstop_connected_nodes", "nodes whose agent is connected and watched", value=connected

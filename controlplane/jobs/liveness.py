@@ -1,17 +1,29 @@
 """Heartbeats in Redis: the last time each node was heard from, and its latest metrics.
 
-A heartbeat is one pipelined round trip (the node's metrics hash and its score in the job's
-"last seen" sorted set), never a database row. The failure detector asks which nodes have been
-silent past the deadline; the dashboard reads the latest metrics.
+A heartbeat is never a database row: it sets the node's metrics hash and its score in the job's
+"last seen" sorted set. A server process writes them through its ``Writer``, which gathers the
+heartbeats of all its sockets that arrive within a few milliseconds into one pipelined round
+trip: one round trip per heartbeat, with thousands of sockets on one event loop, is what makes
+ingest fall behind. The writer also keeps the ingest lag (the agent's send to the write in
+Redis) as a histogram in Redis, for ``/metrics``. The failure detector asks which nodes have
+been silent past the deadline; the dashboard reads the latest metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import json
+import time
+import weakref
 from typing import Any
 
 import redis.asyncio as aioredis
+import structlog
 from django.conf import settings
+from redis.exceptions import RedisError
+
+log = structlog.get_logger(__name__)
 
 PREFIX = "pitstop"
 # Seconds between heartbeats and how many missed ones make a node failed (docs/protocol.md).
@@ -29,33 +41,131 @@ def metrics_key(job_id: int, node: str) -> str:
 
 JOBS_KEY = f"{PREFIX}:jobs"  # jobs with a node connected, for the detector's scan
 BEATS_KEY = f"{PREFIX}:heartbeats"  # every heartbeat received, for /metrics
+LAG_KEY = f"{PREFIX}:ingest_lag"  # histogram of the ingest lag: bucket bound (s) -> count
+# Upper bounds (seconds) of the ingest lag histogram's buckets; "+Inf" holds the rest.
+LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
+# How long the writer waits for more heartbeats before it writes.
+LINGER_S = 0.002
 
 
 def client() -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
 
 
-async def beat(
-    redis: aioredis.Redis, job_id: int, node: str, at_s: float, metrics: dict[str, Any]
-) -> None:
-    """Record a heartbeat heard at ``at_s`` (the server's clock) with its metrics."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.zadd(seen_key(job_id), {node: at_s})
-        pipe.sadd(JOBS_KEY, job_id)
-        pipe.incr(BEATS_KEY)
-        pipe.hset(
-            metrics_key(job_id, node),
-            mapping={"at": at_s, "metrics": json.dumps(metrics, separators=(",", ":"))},
-        )
-        await pipe.execute()
+class Writer:
+    """One event loop's heartbeat writes: ``beat`` queues, a task writes what queued meanwhile
+    in one pipeline (a node's latest beat only), then records each one's lag."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        # a node's latest beat (heard at, metrics, sent at), or None to forget the node
+        self.queued: dict[tuple[int, str], tuple[float, dict[str, Any], float] | None] = {}
+        self.sent: list[float] = []  # when each beat queued since the last write was sent
+        self.flushing: asyncio.Task[None] | None = None
+
+    def beat(
+        self, job_id: int, node: str, at_s: float, metrics: dict[str, Any], sent_s: float
+    ) -> None:
+        """Queue a heartbeat heard at ``at_s`` that its agent sent at ``sent_s`` (agent clock)."""
+        self.queued[(job_id, node)] = (at_s, metrics, sent_s)
+        self.sent.append(sent_s)
+        self._schedule()
+
+    def forget(self, job_id: int, node: str) -> None:
+        """Stop watching the node (it left, or failed), after any of its beats queued before:
+        in the same queue, so no late beat brings it back."""
+        self.queued[(job_id, node)] = None
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self.flushing is None:
+            self.flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(LINGER_S)
+            while self.queued:
+                batch, self.queued = self.queued, {}
+                sent, self.sent = self.sent, []
+                await self._write(batch, sent)
+        finally:
+            self.flushing = None
+
+    async def settle(self) -> None:
+        """Wait until everything queued is written (or lost to a Redis error)."""
+        while self.flushing is not None:
+            await asyncio.wait({self.flushing})
+
+    async def _write(
+        self,
+        batch: dict[tuple[int, str], tuple[float, dict[str, Any], float] | None],
+        sent: list[float],
+    ) -> None:
+        """One pipeline: each node's latest beat (or its removal), the count of beats received
+        and every one's lag, superseded ones included."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for (job_id, node), beat in batch.items():
+                    if beat is None:
+                        pipe.zrem(seen_key(job_id), node)
+                        pipe.delete(metrics_key(job_id, node))
+                        continue
+                    at_s, metrics, _ = beat
+                    pipe.zadd(seen_key(job_id), {node: at_s})
+                    pipe.hset(
+                        metrics_key(job_id, node),
+                        mapping={"at": at_s, "metrics": json.dumps(metrics, separators=(",", ":"))},
+                    )
+                    pipe.sadd(JOBS_KEY, job_id)
+                pipe.incrby(BEATS_KEY, len(sent))
+                self._lag_into(pipe, sent)
+                await pipe.execute()
+        except RedisError as exc:
+            # Redis restarting: these beats are lost, the agents are not (their next beats land)
+            log.warning("heartbeats.lost", count=len(batch), error=str(exc))
+
+    def _lag_into(self, pipe: Any, sent: list[float]) -> None:
+        """Add this batch's lags (now, as it is written, minus each send) to the histogram."""
+        now = time.time()
+        counts = [0] * (len(LAG_BUCKETS_S) + 1)
+        total = 0.0
+        for sent_s in sent:
+            lag = max(now - sent_s, 0.0)
+            counts[bisect.bisect_left(LAG_BUCKETS_S, lag)] += 1
+            total += lag
+        for bound, count in zip((*LAG_BUCKETS_S, "+Inf"), counts, strict=True):
+            if count:
+                pipe.hincrby(LAG_KEY, str(bound), count)
+        pipe.hincrbyfloat(LAG_KEY, "sum", total)
 
 
-async def forget(redis: aioredis.Redis, job_id: int, node: str) -> None:
-    """The node left (goodbye) or was declared failed: the detector stops watching it."""
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.zrem(seen_key(job_id), node)
-        pipe.delete(metrics_key(job_id, node))
-        await pipe.execute()
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, Writer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared() -> tuple[aioredis.Redis, Writer]:
+    """The running event loop's Redis client and heartbeat writer, shared by its sockets (one
+    connection pool, not one per socket)."""
+    loop = asyncio.get_running_loop()
+    found = _shared.get(loop)
+    if found is None:
+        redis = client()
+        found = _shared[loop] = (redis, Writer(redis))
+    return found
+
+
+def lag_histogram(redis: Any) -> tuple[list[tuple[str, int]], float]:
+    """The ingest lag histogram as Prometheus wants it: cumulative (bound, count) pairs up to
+    "+Inf", and the sum of lags (``redis`` is a synchronous client)."""
+    raw = redis.hgetall(LAG_KEY) or {}
+    values = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
+    cumulative, running = [], 0
+    for bound in (*LAG_BUCKETS_S, "+Inf"):
+        running += int(values.get(str(bound), 0))
+        cumulative.append((str(bound), running))
+    return cumulative, float(values.get("sum", 0.0))
 
 
 async def silent(

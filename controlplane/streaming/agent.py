@@ -154,7 +154,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await handler(message)
 
     async def connect(self) -> None:
-        self.redis = liveness.client()
+        self.redis, self.writer = liveness.shared()
         self.id = uuid.uuid4().hex
         self.awaited: dict[str, Awaited] = {}
         await self.accept()
@@ -187,7 +187,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if isinstance(frame, protocol.Goodbye):
             self.leaving = True
             await database_sync_to_async(_goodbye)(self.session)
-            await liveness.forget(self.redis, self.session.job_id, self.session.node)
+            self.writer.forget(self.session.job_id, self.session.node)
+            await self.writer.settle()  # unwatched before the agent sees the close
             await self.close(code=1000)
             return
         if isinstance(frame, protocol.Ack):
@@ -203,13 +204,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if isinstance(frame, protocol.Heartbeat):
             self.last_heard_s = time.time()
             metrics = frame.model_dump(exclude={"type", "seq"}, exclude_none=True)
-            try:
-                await liveness.beat(
-                    self.redis, self.session.job_id, self.session.node, self.last_heard_s, metrics
-                )
-            except RedisError as exc:
-                # Redis restarting: this beat is lost, the agent is not (the next beat lands)
-                log.warning("agent.beat_lost", node=self.session.node, error=str(exc))
+            session = self.session
+            self.writer.beat(session.job_id, session.node, self.last_heard_s, metrics, frame.at)
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
         elif isinstance(frame, protocol.Fault):
@@ -275,7 +271,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
         await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
         self.last_heard_s = time.time()
-        await liveness.beat(self.redis, session.job_id, session.node, self.last_heard_s, {})
+        self.writer.beat(session.job_id, session.node, self.last_heard_s, {}, self.last_heard_s)
         await self.send(
             protocol.encode(
                 protocol.Welcome(
@@ -300,8 +296,6 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if session is not None:
             hub.hub().leave(session.job_id, session.node, self.id)
             if not self.leaving:
-                with contextlib.suppress(RedisError):  # best effort: Redis may be restarting
-                    await liveness.forget(self.redis, session.job_id, session.node)
+                self.writer.forget(session.job_id, session.node)
                 await database_sync_to_async(_lost)(session, self.last_heard_s)
                 log.info("agent.lost", job=session.job_id, node=session.node, code=code)
-        await self.redis.aclose()

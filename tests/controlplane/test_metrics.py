@@ -37,11 +37,18 @@ def scrape(client: Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
     }
 
 
-async def beats(job_id: int, count: int) -> None:
+async def beats(job_id: int, lags_s: list[float], *, forget: bool = False) -> None:
+    """Heartbeats through a server process's writer, each sent ``lag`` seconds before now."""
     redis = liveness.client()
+    writer = liveness.Writer(redis)
     try:
-        for _ in range(count):
-            await liveness.beat(redis, job_id, "node-0", time.time(), {"step": 1})
+        for lag in lags_s:
+            now = time.time()
+            writer.beat(job_id, "node-0", now, {"step": 1}, now - lag)
+        if forget:
+            writer.forget(job_id, "node-0")
+        while writer.flushing is not None:
+            await asyncio.sleep(0.005)
     finally:
         await redis.aclose()
 
@@ -49,7 +56,7 @@ async def beats(job_id: int, count: int) -> None:
 def test_metrics_count_heartbeats_failures_latency_planning_and_decisions(client: Client) -> None:
     before = scrape(client)
     job, _ = create_job("metered", copy.deepcopy(SCENARIO), approval_mode="manual")
-    asyncio.run(beats(job.pk, 5))
+    asyncio.run(beats(job.pk, [0.0, 0.04, 0.04, 0.4, 3.0]))
     _, decision = decisions.record_failure(
         job,
         kind="crash",
@@ -64,6 +71,15 @@ def test_metrics_count_heartbeats_failures_latency_planning_and_decisions(client
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
     assert grew("pitstop_heartbeats_total") == 5
+    lag = "pitstop_heartbeat_ingest_lag_seconds"
+    assert grew(f"{lag}_count") == 5
+    # measured when written (the writer lingers a few ms), in cumulative buckets
+    assert grew(f"{lag}_bucket", (("le", "0.001"),)) == 0
+    assert grew(f"{lag}_bucket", (("le", "0.03"),)) == 1
+    assert grew(f"{lag}_bucket", (("le", "0.05"),)) == 3
+    assert grew(f"{lag}_bucket", (("le", "2.0"),)) == 4
+    assert grew(f"{lag}_bucket", (("le", "+Inf"),)) == 5
+    assert 3.48 <= grew(f"{lag}_sum") < 3.7
     assert after[("pitstop_connected_nodes", ())] >= 1
     assert grew("pitstop_failures_total", (("kind", "crash"), ("source", "agent"))) == 1
     assert grew("pitstop_detection_latency_seconds_count") == 1
@@ -71,12 +87,8 @@ def test_metrics_count_heartbeats_failures_latency_planning_and_decisions(client
     assert grew("pitstop_planning_seconds_count") == 1
     assert grew("pitstop_planning_seconds_sum") > 0
     assert after[("pitstop_decisions", (("status", "proposed"),))] >= 1
-    asyncio.run(_forget(job.pk))
-
-
-async def _forget(job_id: int) -> None:
-    redis = liveness.client()
-    try:
-        await liveness.forget(redis, job_id, "node-0")
-    finally:
-        await redis.aclose()
+    asyncio.run(beats(job.pk, [], forget=True))
+    assert (
+        scrape(client)[("pitstop_connected_nodes", ())]
+        == after[("pitstop_connected_nodes", ())] - 1
+    )
