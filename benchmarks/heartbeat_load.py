@@ -1,0 +1,420 @@
+"""Heartbeat ingest under load: simulated agents speaking the real protocol to the real server.
+
+For each connection count N, a fresh control plane (the ASGI server and the failure detector,
+a temporary SQLite database, Redis) serves one job of N nodes × 8 devices, and two load
+processes open N websockets on loopback: ``hello``, then a heartbeat a second per node, with a
+random phase and ±50 ms jitter. After a ramp and a settle, during the measured window:
+
+- ingest lag, from the agent's send to the heartbeat written in Redis, is read from the server's
+  own histogram (``pitstop_heartbeat_ingest_lag_seconds``, the one ``/metrics`` exports), with
+  the heartbeats ingested against those sent;
+- ``--kills`` agents abort their socket (a killed process: the kernel closes it), 20 ms apart;
+  each one's detection is the time of its failure on the job's timeline minus the abort;
+- ``--hangs`` agents stop sending and keep their socket open (a stopped process); detection is
+  measured from the stop, and the deadline is ``PITSTOP_MISSED_BEATS`` × the interval after
+  the last heartbeat.
+
+The server runs on CPU 0 and the load on CPU 1 where the machine has two. The knee is the first
+N whose p99 is over 100 ms or that ingests under 99 % of what was sent. Bounded: loopback only,
+``--seconds`` of window per N. Needs Redis (``REDIS_URL``, default redis://127.0.0.1:6379/12,
+which it flushes).
+
+    python -m benchmarks.heartbeat_load [--connections 256,512,1024,2048] [--seconds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results import write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json"
+DEVICES_PER_NODE = 8
+RAMP_S, SETTLE_S = 10.0, 5.0
+P99_GOAL_S, KILL_GOAL_S, HANG_GOAL_S = 0.1, 0.3, 2.0
+
+
+def scenario(nodes: int) -> dict[str, Any]:
+    """The example's model on ``nodes`` × 8 devices: pipelines of 4 stages, 16 micro-batches."""
+    data = json.loads(EXAMPLE.read_text())
+    devices = nodes * DEVICES_PER_NODE
+    stages = data["plan"]["pipelines"][0]["stages"]
+    data["cluster"].update(devices=devices, devices_per_node=DEVICES_PER_NODE)
+    data["training"]["global_batch"] = 16 * devices // len(stages)
+    data["plan"]["pipelines"] = [
+        {
+            "stages": [
+                {"devices": [p * len(stages) + i], "layers": s["layers"]}
+                for i, s in enumerate(stages)
+            ],
+            "micro_batches": 16,
+        }
+        for p in range(devices // len(stages))
+    ]
+    data["failed"] = []
+    return data
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def pin(cpu: int) -> None:
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {cpu})
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, from /proc (0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- the load: one process per half of the nodes -------------------------------------------
+
+
+async def agent(
+    url: str,
+    job: str,
+    token: str,
+    node: int,
+    plan: dict[str, float],
+    out: dict[str, Any],
+) -> None:
+    """One node's agent: hello, then a heartbeat a second until ``plan["end"]``; a kill victim
+    aborts its socket at ``plan["kill"]``, a hang victim stops sending at ``plan["hang"]``."""
+    import websockets
+
+    devices = list(range(node * DEVICES_PER_NODE, (node + 1) * DEVICES_PER_NODE))
+    await asyncio.sleep(random.uniform(0, RAMP_S))  # the ramp
+    try:
+        ws = await websockets.connect(url, open_timeout=30, ping_interval=None, max_queue=None)
+    except (OSError, TimeoutError, websockets.WebSocketException):
+        out["connect_errors"] += 1
+        return
+    hello = {"type": "hello", "job": job, "node": f"node-{node}", "token": token}
+    await ws.send(json.dumps({**hello, "devices": devices}))
+    welcome = json.loads(await ws.recv())
+    if welcome.get("type") != "welcome":
+        out["connect_errors"] += 1
+        return
+    reader = asyncio.create_task(_drain(ws))
+    await asyncio.sleep(random.uniform(0, 1))  # a random phase
+    seq, beat = 0, time.time()
+    try:
+        while beat < plan["end"]:
+            if "kill" in plan and beat >= plan["kill"]:
+                ws.transport.abort()  # the kernel closes the socket, as for a killed process
+                out["kills"][node] = time.time()
+                return
+            if "hang" in plan and beat >= plan["hang"]:
+                out["hangs"][node] = time.time()
+                await asyncio.sleep(plan["end"] - time.time() + 5)  # open, silent
+                return
+            seq += 1
+            sent = time.time()
+            frame = {
+                "type": "heartbeat", "seq": seq, "at": sent, "step": seq, "loss": 2.0,
+                "samples_per_s": 11.0, "step_time_s": 1.0,
+                "devices": [{"device": d, "state": "training", "memory_bytes": 5.2e10,
+                             "utilization": 0.9} for d in devices],
+            }  # fmt: skip
+            await ws.send(json.dumps(frame))
+            if plan["window"][0] <= sent < plan["window"][1]:
+                out["sent_in_window"] += 1
+            beat += 1.0
+            await asyncio.sleep(max(beat + random.uniform(-0.05, 0.05) - time.time(), 0))
+    except websockets.WebSocketException:
+        out["send_errors"] += 1
+    finally:
+        reader.cancel()
+        if "kill" not in plan:
+            await ws.close()
+
+
+async def _drain(ws: Any) -> None:
+    async for _ in ws:  # commands and errors: none are expected
+        pass
+
+
+def load(
+    cpu: int,
+    url: str,
+    job: str,
+    token: str,
+    nodes: list[int],
+    plans: dict[int, dict[str, Any]],
+    results: Any,
+) -> None:
+    pin(cpu)
+    out: dict[str, Any] = {"connect_errors": 0, "send_errors": 0, "sent_in_window": 0,
+                           "kills": {}, "hangs": {}}  # fmt: skip
+
+    async def everyone() -> None:
+        await asyncio.gather(*(agent(url, job, token, n, plans[n], out) for n in nodes))
+
+    asyncio.run(everyone())
+    results.put(out)
+
+
+# --- one connection count --------------------------------------------------------------------
+
+
+def percentile(buckets: list[tuple[float, int]], q: float) -> float | None:
+    """The q-quantile of a cumulative histogram, linear inside its bucket (None: empty)."""
+    total = buckets[-1][1]
+    if total == 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0
+    for bound, count in buckets:
+        if count >= rank:
+            inside = count - below
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+def lag_buckets(redis: Any) -> tuple[list[tuple[float, int]], float, int]:
+    from controlplane.jobs import liveness
+
+    cumulative, total = liveness.lag_histogram(redis)
+    beats = int(redis.get(liveness.BEATS_KEY) or 0)
+    return [(float(b), n) for b, n in cumulative], total, beats
+
+
+def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> dict[str, Any]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    with tempfile.TemporaryDirectory(prefix="pitstop-hb-") as tmp:
+        env = {
+            **os.environ,
+            "DATABASE_URL": f"sqlite:///{tmp}/hb.sqlite3",
+            "REDIS_URL": redis_url,
+            "PITSTOP_DATA_DIR": tmp,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        }
+        manage = [sys.executable, "manage.py"]
+        subprocess.run([*manage, "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+        made = subprocess.run(
+            [*manage, "shell", "-c", _CREATE_JOB.format(scenario=json.dumps(scenario(n)))],
+            env=env, cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        token = made.stdout.strip().splitlines()[-1]
+        port = free_port()
+        logs = Path(tmp)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+             "controlplane.asgi:application"],
+            env=env, cwd=ROOT, preexec_fn=lambda: pin(0),
+            stdout=(logs / "server.log").open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        detector = subprocess.Popen(
+            [*manage, "detect_failures"], env=env, cwd=ROOT, preexec_fn=lambda: pin(0),
+            stdout=(logs / "detector.log").open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            _wait_for(port, server)
+            start = time.time() + 2
+            window = (start + RAMP_S + 1 + SETTLE_S, start + RAMP_S + 1 + SETTLE_S + seconds)
+            end = window[1] + 3
+            chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
+            plans: dict[int, dict[str, Any]] = {
+                i: {"end": end, "window": window} for i in range(n)
+            }
+            for k, node in enumerate(chosen[:kills]):
+                plans[node]["kill"] = window[1] - 2.5 + 0.02 * k
+            for node in chosen[kills:]:
+                plans[node]["hang"] = window[0] + seconds / 2
+            results: Any = mp.Queue()
+            url = f"ws://127.0.0.1:{port}/ws/agent/"
+            procs = [
+                mp.Process(
+                    target=load, args=(1, url, "bench", token, list(range(i, n, 2)), plans, results)
+                )
+                for i in range(2)
+            ]
+            for proc in procs:
+                proc.start()
+            lag_buckets(client)  # imports and connects now, not at the window's start
+            time.sleep(max(window[0] - time.time(), 0))
+            before, cpu0 = lag_buckets(client), cpu_seconds(server.pid)
+            time.sleep(max(window[1] - time.time(), 0))
+            after, cpu1 = lag_buckets(client), cpu_seconds(server.pid)
+            outs = [results.get(timeout=seconds + 120) for _ in procs]
+            for proc in procs:
+                proc.join(timeout=30)
+            time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
+            detected = _detections(env)
+        finally:
+            for proc in (server, detector):
+                proc.send_signal(signal.SIGTERM)
+            for proc in (server, detector):
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    window_buckets = [
+        (bound, count - old) for (bound, count), (_, old) in zip(after[0], before[0], strict=True)
+    ]
+    sent = sum(o["sent_in_window"] for o in outs)
+    ingested = after[2] - before[2]
+    killed = {int(k): v for o in outs for k, v in o["kills"].items()}
+    hung = {int(k): v for o in outs for k, v in o["hangs"].items()}
+    kill_s = sorted(detected[n_] - t for n_, t in killed.items() if n_ in detected)
+    hang_s = sorted(detected[n_] - t for n_, t in hung.items() if n_ in detected)
+    p50, p99 = percentile(window_buckets, 0.5), percentile(window_buckets, 0.99)
+    return {
+        "connections": n,
+        "devices": n * DEVICES_PER_NODE,
+        "sent_hb_s": sent / seconds,
+        "ingested_hb_s": ingested / seconds,
+        "ingest_p50_ms": None if p50 is None else p50 * 1000,
+        "ingest_p99_ms": None if p99 is None else p99 * 1000,
+        "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
+        "connect_errors": sum(o["connect_errors"] for o in outs),
+        "send_errors": sum(o["send_errors"] for o in outs),
+        "kills": len(killed),
+        "kills_detected": len(kill_s),
+        "kill_p50_s": _quantile(kill_s, 0.5),
+        "kill_p99_s": _quantile(kill_s, 0.99),
+        "hangs": len(hung),
+        "hangs_detected": len(hang_s),
+        "hang_max_s": max(hang_s) if hang_s else None,
+    }
+
+
+_CREATE_JOB = """
+import json
+from controlplane.jobs.services import create_job
+job, token = create_job("bench", json.loads('{scenario}'), approval_mode="manual",
+                        enabled_policies=["rerouting"])
+print(token)
+"""
+
+
+def liveness_deadline() -> float:
+    interval = float(os.environ.get("PITSTOP_HEARTBEAT_INTERVAL_S", 1.0))
+    return interval * int(os.environ.get("PITSTOP_MISSED_BEATS", 3))
+
+
+def _wait_for(port: int, server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit("the server exited; see its log")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit("the server did not start within 60 s")
+
+
+def _detections(env: dict[str, str]) -> dict[int, float]:
+    """Each node's first failure on the timeline (its devices' node), as Unix seconds."""
+    script = (
+        "import json\n"
+        "from controlplane.incidents.models import TimelineEvent\n"
+        "out = {}\n"
+        "for e in TimelineEvent.objects.filter(kind='failure_detected').order_by('at'):\n"
+        f"    for d in e.payload.get('devices', []): out.setdefault(d // {DEVICES_PER_NODE},"
+        " e.at.timestamp())\n"
+        "print(json.dumps(out))\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", script],
+        env=env, cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return {int(k): v for k, v in json.loads(found.stdout.strip().splitlines()[-1]).items()}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connections", default="256,512,1024,2048",
+                        help="node connections per run, comma-separated")  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured window per run")
+    parser.add_argument("--kills", type=int, default=32, help="agents killed per run")
+    parser.add_argument("--hangs", type=int, default=8, help="agents hung per run")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/heartbeat_load.json")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(c) for c in args.connections.split(",")]
+    except ValueError:
+        parser.error(f"--connections: expected counts like 256,512, got {args.connections!r}")
+    if not counts or min(counts) < 1 or min(counts) < args.kills + args.hangs:
+        parser.error("each connection count must be ≥ 1 and cover --kills + --hangs")
+    if not 5 <= args.seconds <= 600:
+        parser.error("--seconds must be within 5..600")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
+    rows = []
+    for n in counts:
+        print(f"{n} connections: ramp {RAMP_S:g} s, window {args.seconds:g} s …", flush=True)
+        rows.append(measure(n, args.seconds, args.kills, args.hangs, redis_url))
+    knee = next(
+        (r["connections"] for r in rows
+         if r["ingest_p99_ms"] is None or r["ingest_p99_ms"] > P99_GOAL_S * 1000
+         or r["ingested_hb_s"] < 0.99 * r["sent_hb_s"]),
+        None,
+    )  # fmt: skip
+    columns = ("connections", "sent_hb_s", "ingested_hb_s", "ingest_p50_ms", "ingest_p99_ms",
+               "server_cpu_pct", "kill_p50_s", "kill_p99_s", "hang_max_s", "send_errors")  # fmt: skip
+    print(" ".join(f"{c:>14}" for c in columns))
+    for row in rows:
+        print(" ".join(f"{_cell(row[c]):>14}" for c in columns))
+    print(
+        f"goals: ingest p99 < {P99_GOAL_S * 1000:g} ms, kill ≤ {KILL_GOAL_S:g} s p99, "
+        f"hang ≤ {HANG_GOAL_S:g} s (deadline here {liveness_deadline():g} s); "
+        f"knee: {knee if knee is not None else f'beyond {counts[-1]}'}"
+    )
+    write_results(
+        args.out,
+        {
+            "benchmark": "heartbeat_load",
+            "cpus": os.cpu_count(),
+            "window_s": args.seconds,
+            "deadline_s": liveness_deadline(),
+            "rows": rows,
+            "knee": knee,
+        },
+    )
+    return 0
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
