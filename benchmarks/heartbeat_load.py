@@ -44,13 +44,20 @@ from benchmarks.results import write_results
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json"
 DEVICES_PER_NODE = 8
-RAMP_S, SETTLE_S = 10.0, 5.0
+SETTLE_S = 5.0
+
+
+def ramp_s(connections: int) -> float:
+    """Connections open over this long: 10 s for 2,048, at least 1 s."""
+    return min(10.0, max(1.0, connections / 200))
+
+
 P99_GOAL_S, KILL_GOAL_S, HANG_GOAL_S = 0.1, 0.3, 2.0
 
 
 def scenario(nodes: int) -> dict[str, Any]:
     """The example's model on ``nodes`` × 8 devices: pipelines of 4 stages, 16 micro-batches."""
-    data = json.loads(EXAMPLE.read_text())
+    data: dict[str, Any] = json.loads(EXAMPLE.read_text())
     devices = nodes * DEVICES_PER_NODE
     stages = data["plan"]["pipelines"][0]["stages"]
     data["cluster"].update(devices=devices, devices_per_node=DEVICES_PER_NODE)
@@ -97,7 +104,7 @@ async def agent(
     job: str,
     token: str,
     node: int,
-    plan: dict[str, float],
+    plan: dict[str, Any],
     out: dict[str, Any],
 ) -> None:
     """One node's agent: hello, then a heartbeat a second until ``plan["end"]``; a kill victim
@@ -105,7 +112,7 @@ async def agent(
     import websockets
 
     devices = list(range(node * DEVICES_PER_NODE, (node + 1) * DEVICES_PER_NODE))
-    await asyncio.sleep(random.uniform(0, RAMP_S))  # the ramp
+    await asyncio.sleep(random.uniform(0, plan["ramp"]))  # the ramp
     try:
         ws = await websockets.connect(url, open_timeout=30, ping_interval=None, max_queue=None)
     except (OSError, TimeoutError, websockets.WebSocketException):
@@ -218,8 +225,9 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
         }
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "-v", "0"], env=env, cwd=ROOT, check=True)
+        (Path(tmp) / "scenario.json").write_text(json.dumps(scenario(n)))
         made = subprocess.run(
-            [*manage, "shell", "-c", _CREATE_JOB.format(scenario=json.dumps(scenario(n)))],
+            [*manage, "shell", "-c", _CREATE_JOB.format(path=Path(tmp) / "scenario.json")],
             env=env, cwd=ROOT, check=True, capture_output=True, text=True,
         )  # fmt: skip
         token = made.stdout.strip().splitlines()[-1]
@@ -238,11 +246,12 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
         try:
             _wait_for(port, server)
             start = time.time() + 2
-            window = (start + RAMP_S + 1 + SETTLE_S, start + RAMP_S + 1 + SETTLE_S + seconds)
+            opened = start + ramp_s(n) + 1 + SETTLE_S
+            window = (opened, opened + seconds)
             end = window[1] + 3
             chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
             plans: dict[int, dict[str, Any]] = {
-                i: {"end": end, "window": window} for i in range(n)
+                i: {"end": end, "window": window, "ramp": ramp_s(n)} for i in range(n)
             }
             for k, node in enumerate(chosen[:kills]):
                 plans[node]["kill"] = window[1] - 2.5 + 0.02 * k
@@ -269,13 +278,13 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
             time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
             detected = _detections(env)
         finally:
-            for proc in (server, detector):
-                proc.send_signal(signal.SIGTERM)
-            for proc in (server, detector):
+            for process in (server, detector):
+                process.send_signal(signal.SIGTERM)
+            for process in (server, detector):
                 try:
-                    proc.wait(timeout=20)
+                    process.wait(timeout=20)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    process.kill()
     window_buckets = [
         (bound, count - old) for (bound, count), (_, old) in zip(after[0], before[0], strict=True)
     ]
@@ -309,7 +318,7 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
 _CREATE_JOB = """
 import json
 from controlplane.jobs.services import create_job
-job, token = create_job("bench", json.loads('{scenario}'), approval_mode="manual",
+job, token = create_job("bench", json.loads(open("{path}").read()), approval_mode="manual",
                         enabled_policies=["rerouting"])
 print(token)
 """
@@ -378,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
     rows = []
     for n in counts:
-        print(f"{n} connections: ramp {RAMP_S:g} s, window {args.seconds:g} s …", flush=True)
+        print(f"{n} connections: ramp {ramp_s(n):g} s, window {args.seconds:g} s …", flush=True)
         rows.append(measure(n, args.seconds, args.kills, args.hangs, redis_url))
+        print("  " + ", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items()), flush=True)
     knee = next(
         (r["connections"] for r in rows
          if r["ingest_p99_ms"] is None or r["ingest_p99_ms"] > P99_GOAL_S * 1000

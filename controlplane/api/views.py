@@ -13,6 +13,7 @@ from typing import Any
 from django.db.models import Count, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema
+from redis.exceptions import RedisError
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view, permission_classes
 from rest_framework.exceptions import ValidationError
@@ -20,11 +21,13 @@ from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRen
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from controlplane.api import errors
 from controlplane.api import serializers as s
 from controlplane.api.roles import CanOperate, CanRead, ReadOrAdminister
 from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions
 from controlplane.incidents.models import EventKind, Failure, RecoveryDecision, TimelineEvent
+from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import DeviceState, Job
 from controlplane.jobs.services import create_job
 from controlplane.simulations import sweeps
@@ -138,6 +141,20 @@ class JobViewSet(
         given = s.WhatIfSerializer(data=request.data)
         given.is_valid(raise_exception=True)
         return Response(decisions.what_if(job, **given.validated_data))
+
+    @extend_schema(responses={200: dict})
+    @action(detail=True, permission_classes=[CanRead])
+    def live(self, request: Request, pk: str | None = None) -> Response:
+        """The job's live picture from its heartbeats (at most half a second old): nodes heard
+        from, their steps and device states, the job's step, loss, samples/s and step time."""
+        job = self.get_object()
+        try:
+            return Response(snapshot.latest(liveness.sync_client(), job.pk))
+        except RedisError as exc:
+            return Response(
+                errors.body("live_data_unavailable", f"Redis cannot be reached: {exc}"),
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
 
     @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
     @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])

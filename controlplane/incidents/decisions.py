@@ -27,7 +27,15 @@ from controlplane.incidents.models import (
     RecoveryDecision,
 )
 from controlplane.incidents.transitions import IllegalTransition, record, transition
-from controlplane.jobs.models import ApprovalMode, Device, DeviceState, Job, JobStatus, Node
+from controlplane.jobs.models import (
+    ApprovalMode,
+    Device,
+    DeviceState,
+    Job,
+    JobStatus,
+    Node,
+    heavy,
+)
 from controlplane.jobs.services import failed_devices
 
 log = structlog.get_logger(__name__)
@@ -64,12 +72,16 @@ def record_failure(
         )
     now = timezone.now()
     with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job.pk)
-        known = dict(Device.objects.filter(job=job).values_list("index", "state"))
+        job = Job.objects.select_for_update().defer(*heavy()).get(pk=job.pk)
+        # only the devices named: a failure of one node costs the same on 16,384 devices
+        known = dict(
+            Device.objects.filter(job=job, index__in=devices).values_list("index", "state")
+        )
         unknown = [d for d in devices if d not in known]
         if unknown:
+            total = Device.objects.filter(job=job).count()
             raise rows.InvalidScenario(
-                f"devices {unknown} do not exist in job {job.name} (ids are 0..{len(known) - 1})",
+                f"devices {unknown} do not exist in job {job.name} (ids are 0..{total - 1})",
                 field="devices",
             )
         if all(known[d] == DeviceState.FAILED for d in devices):

@@ -23,7 +23,7 @@ from controlplane.incidents.models import (
     RecoveryDecision,
     TimelineEvent,
 )
-from controlplane.jobs.models import Job
+from controlplane.jobs.models import Job, heavy
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,10 @@ def transition(
     """
     with transaction.atomic():
         decision = (
-            RecoveryDecision.objects.select_for_update().select_related("job").get(pk=decision_id)
+            RecoveryDecision.objects.select_for_update(of=("self",))
+            .select_related("job")
+            .defer(*heavy("job"))
+            .get(pk=decision_id)
         )
         if to not in LEGAL[decision.status]:
             raise IllegalTransition(decision, to)

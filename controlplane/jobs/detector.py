@@ -21,7 +21,7 @@ from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning, requeue_overdue
 from controlplane.jobs import liveness
-from controlplane.jobs.models import Device, Node, NodeStatus
+from controlplane.jobs.models import Device, Node, NodeStatus, heavy
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +32,12 @@ def deadline_s() -> float:
 
 def _silent_node(job_id: int, node_name: str, last_heard_s: float) -> int | None:
     """Record the silent node's failure; the decision's id, or None if the node is gone."""
-    node = Node.objects.select_related("job").filter(job_id=job_id, name=node_name).first()
+    node = (
+        Node.objects.select_related("job")
+        .defer(*heavy("job"))
+        .filter(job_id=job_id, name=node_name)
+        .first()
+    )
     if node is None:
         return None
     devices = sorted(Device.objects.filter(node=node).values_list("index", flat=True))

@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Any
 
+import redis as redis_sync
 import redis.asyncio as aioredis
 import structlog
 from django.conf import settings
@@ -51,6 +52,17 @@ LINGER_S = 0.002
 
 def client() -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+
+
+_sync: redis_sync.Redis | None = None
+
+
+def sync_client() -> redis_sync.Redis:
+    """This process's synchronous client (views, tasks), on one connection pool."""
+    global _sync
+    if _sync is None:
+        _sync = redis_sync.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+    return _sync
 
 
 class Writer:

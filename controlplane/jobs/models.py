@@ -29,6 +29,16 @@ class JobStatus(models.TextChoices):
     FAILED = "failed"  # no policy could recover it
 
 
+# A job's large JSON fields: its scenario and plan, megabytes at 16,384 devices. The hot paths
+# (an agent's hello, a failure) need only the job's id and name, and leave them unread.
+HEAVY = ("scenario", "plan")
+
+
+def heavy(relation: str = "") -> list[str]:
+    """``HEAVY`` for ``defer()``, through ``relation`` (e.g. ``"job"``) when given."""
+    return [f"{relation}__{name}" if relation else name for name in HEAVY]
+
+
 class Job(models.Model):
     name = models.CharField(max_length=200, unique=True)
     scenario = models.JSONField(help_text="the core's scenario format (docs/scenario.md)")
@@ -135,6 +145,7 @@ class AgentToken(models.Model):
         """The live token row for ``token``, or None (looked up by its digest)."""
         return (
             cls.objects.select_related("job")
+            .defer(*heavy("job"))
             .filter(digest=token_digest(token), revoked_at__isnull=True, **filters)
             .first()
         )

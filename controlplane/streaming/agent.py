@@ -32,7 +32,7 @@ from controlplane.incidents import applying, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness
-from controlplane.jobs.models import AgentToken, Device, Node, NodeStatus
+from controlplane.jobs.models import AgentToken, Device, Node, NodeStatus, heavy
 from controlplane.streaming import hub
 from worker_agent import protocol
 from worker_agent.protocol import ErrorCode, ProtocolError
@@ -81,7 +81,7 @@ def _hello(frame: protocol.Hello) -> Session:
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
     """Record the agent's fault; returns the decision's id."""
-    node = Node.objects.select_related("job").get(pk=session.node_id)
+    node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
     occurred = dt.datetime.fromtimestamp(frame.at, tz=dt.UTC)
     _, decision = decisions.record_failure(
         node.job,
@@ -98,7 +98,7 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
 
 def _lost(session: Session, last_heard_s: float | None) -> None:
     """The socket closed without goodbye: every device of the node failed, now."""
-    node = Node.objects.select_related("job").get(pk=session.node_id)
+    node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
     now = timezone.now()
     heard = now if last_heard_s is None else dt.datetime.fromtimestamp(last_heard_s, tz=dt.UTC)
