@@ -396,8 +396,10 @@ def main(argv: list[str] | None = None) -> int:
          or r["ingested_hb_s"] < 0.99 * r["sent_hb_s"]),
         None,
     )  # fmt: skip
-    columns = ("connections", "sent_hb_s", "ingested_hb_s", "ingest_p50_ms", "ingest_p99_ms",
-               "server_cpu_pct", "kill_p50_s", "kill_p99_s", "hang_max_s", "send_errors")  # fmt: skip
+    columns = (
+        *("connections", "sent_hb_s", "ingested_hb_s", "ingest_p50_ms", "ingest_p99_ms"),
+        *("server_cpu_pct", "kill_p50_s", "kill_p99_s", "hang_max_s", "send_errors"),
+    )
     print(" ".join(f"{c:>14}" for c in columns))
     for row in rows:
         print(" ".join(f"{_cell(row[c]):>14}" for c in columns))
