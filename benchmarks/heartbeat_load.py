@@ -43,6 +43,7 @@ from benchmarks.results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json"
+LOGS = ROOT / "benchmarks" / "results" / "heartbeat_load-logs"  # the server's and detector's
 DEVICES_PER_NODE = 8
 SETTLE_S = 5.0
 
@@ -113,6 +114,7 @@ async def agent(
 
     devices = list(range(node * DEVICES_PER_NODE, (node + 1) * DEVICES_PER_NODE))
     await asyncio.sleep(random.uniform(0, plan["ramp"]))  # the ramp
+    opening = time.time()
     try:
         ws = await websockets.connect(url, open_timeout=30, ping_interval=None, max_queue=None)
     except (OSError, TimeoutError, websockets.WebSocketException):
@@ -124,6 +126,7 @@ async def agent(
     if welcome.get("type") != "welcome":
         out["connect_errors"] += 1
         return
+    out["welcome_s"].append(time.time() - opening)
     reader = asyncio.create_task(_drain(ws))
     await asyncio.sleep(random.uniform(0, 1))  # a random phase
     seq, beat = 0, time.time()
@@ -154,7 +157,8 @@ async def agent(
         out["send_errors"] += 1
     finally:
         reader.cancel()
-        if "kill" not in plan:
+        if "kill" not in plan and "hang" not in plan:
+            await ws.send(json.dumps({"type": "goodbye", "reason": "benchmark over"}))
             await ws.close()
 
 
@@ -174,7 +178,7 @@ def load(
 ) -> None:
     pin(cpu)
     out: dict[str, Any] = {"connect_errors": 0, "send_errors": 0, "sent_in_window": 0,
-                           "kills": {}, "hangs": {}}  # fmt: skip
+                           "kills": {}, "hangs": {}, "welcome_s": []}  # fmt: skip
 
     async def everyone() -> None:
         await asyncio.gather(*(agent(url, job, token, n, plans[n], out) for n in nodes))
@@ -285,6 +289,10 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
                     process.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     process.kill()
+            kept = LOGS / str(n)
+            kept.mkdir(parents=True, exist_ok=True)
+            for name in ("server.log", "detector.log"):
+                (kept / name).write_bytes((logs / name).read_bytes())
     window_buckets = [
         (bound, count - old) for (bound, count), (_, old) in zip(after[0], before[0], strict=True)
     ]
@@ -295,6 +303,7 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
     kill_s = sorted(detected[n_] - t for n_, t in killed.items() if n_ in detected)
     hang_s = sorted(detected[n_] - t for n_, t in hung.items() if n_ in detected)
     p50, p99 = percentile(window_buckets, 0.5), percentile(window_buckets, 0.99)
+    welcomes = sorted(w for o in outs for w in o["welcome_s"])
     return {
         "connections": n,
         "devices": n * DEVICES_PER_NODE,
@@ -303,6 +312,8 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
         "ingest_p50_ms": None if p50 is None else p50 * 1000,
         "ingest_p99_ms": None if p99 is None else p99 * 1000,
         "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
+        "welcome_p50_s": _quantile(welcomes, 0.5),
+        "welcome_max_s": welcomes[-1] if welcomes else None,
         "connect_errors": sum(o["connect_errors"] for o in outs),
         "send_errors": sum(o["send_errors"] for o in outs),
         "kills": len(killed),

@@ -26,6 +26,15 @@ ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.
 DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'pitstop.sqlite3'}")
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded default is written by several processes at once (the server, the detector,
+    # Celery workers): the write-ahead log lets readers go on while one writes, a writer takes
+    # its lock when its transaction begins, and waits up to 20 s for it instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        init_command="PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        transaction_mode="IMMEDIATE",
+        timeout=20,
+    )
 
 # What a process that does not serve (manage.py migrate, mypy) sees when REDIS_URL is unset: a
 # host in the reserved .invalid domain, which never resolves, so a client that uses it anyway

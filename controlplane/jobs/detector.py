@@ -14,6 +14,7 @@ import time
 import redis.asyncio as aioredis
 import structlog
 from channels.db import database_sync_to_async
+from django.db import DatabaseError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -65,7 +66,13 @@ async def sweep(redis: aioredis.Redis, now_s: float | None = None) -> list[int]:
         removed = await redis.zrem(liveness.seen_key(job_id), node)
         if not removed:
             continue
-        decision = await database_sync_to_async(_silent_node)(job_id, node, last_heard_s)
+        try:
+            decision = await database_sync_to_async(_silent_node)(job_id, node, last_heard_s)
+        except DatabaseError as exc:
+            # the database is away or busy: watch the node again, the next pass retries
+            await redis.zadd(liveness.seen_key(job_id), {node: last_heard_s})
+            log.warning("detector.record_failed", job=job_id, node=node, error=str(exc))
+            continue
         log.info("detector.silent", job=job_id, node=node, silent_s=now_s - last_heard_s)
         if decision is not None:
             decided.append(decision)
@@ -89,7 +96,10 @@ async def run(period_s: float | None = None) -> None:
             except RedisError as exc:  # Redis restarting: the deadline waits for it
                 log.warning("detector.redis_lost", error=str(exc))
             if time.monotonic() >= next_overdue:
-                await database_sync_to_async(requeue_overdue)()
+                try:
+                    await database_sync_to_async(requeue_overdue)()
+                except DatabaseError as exc:  # the next period tries again
+                    log.warning("detector.overdue_failed", error=str(exc))
                 next_overdue = time.monotonic() + OVERDUE_PERIOD_S
             await asyncio.sleep(period_s)
     finally:

@@ -33,11 +33,13 @@ MISSED_BEATS: int = settings.PITSTOP_MISSED_BEATS
 
 
 def seen_key(job_id: int) -> str:
+    """The job's nodes being watched, scored by when each was last heard (server clock)."""
     return f"{PREFIX}:job:{job_id}:seen"
 
 
-def metrics_key(job_id: int, node: str) -> str:
-    return f"{PREFIX}:job:{job_id}:node:{node}"
+def frames_key(job_id: int) -> str:
+    """Each watched node of the job's latest heartbeat, as the agent sent it (JSON text)."""
+    return f"{PREFIX}:job:{job_id}:frames"
 
 
 JOBS_KEY = f"{PREFIX}:jobs"  # jobs with a node connected, for the detector's scan
@@ -67,27 +69,27 @@ def sync_client() -> redis_sync.Redis:
 
 class Writer:
     """One event loop's heartbeat writes: ``beat`` queues, a task writes what queued meanwhile
-    in one pipeline (a node's latest beat only), then records each one's lag."""
+    in one pipeline (per job: one ZADD and one HSET for all its nodes), then records the lag
+    of every beat received, superseded ones included."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
-        # a node's latest beat (heard at, metrics, sent at), or None to forget the node
-        self.queued: dict[tuple[int, str], tuple[float, dict[str, Any], float] | None] = {}
+        # per job, each node's latest beat (heard at, frame text), or None to forget the node
+        self.queued: dict[int, dict[str, tuple[float, str] | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
         self.flushing: asyncio.Task[None] | None = None
 
-    def beat(
-        self, job_id: int, node: str, at_s: float, metrics: dict[str, Any], sent_s: float
-    ) -> None:
-        """Queue a heartbeat heard at ``at_s`` that its agent sent at ``sent_s`` (agent clock)."""
-        self.queued[(job_id, node)] = (at_s, metrics, sent_s)
+    def beat(self, job_id: int, node: str, at_s: float, frame: str, sent_s: float) -> None:
+        """Queue the heartbeat ``frame`` (its JSON text) heard at ``at_s``, which its agent sent
+        at ``sent_s`` (the agent's clock)."""
+        self.queued.setdefault(job_id, {})[node] = (at_s, frame)
         self.sent.append(sent_s)
         self._schedule()
 
     def forget(self, job_id: int, node: str) -> None:
         """Stop watching the node (it left, or failed), after any of its beats queued before:
         in the same queue, so no late beat brings it back."""
-        self.queued[(job_id, node)] = None
+        self.queued.setdefault(job_id, {})[node] = None
         self._schedule()
 
     def _schedule(self) -> None:
@@ -110,35 +112,29 @@ class Writer:
             await asyncio.wait({self.flushing})
 
     async def _write(
-        self,
-        batch: dict[tuple[int, str], tuple[float, dict[str, Any], float] | None],
-        sent: list[float],
+        self, batch: dict[int, dict[str, tuple[float, str] | None]], sent: list[float]
     ) -> None:
-        """One pipeline: each node's latest beat (or its removal), the count of beats received
-        and every one's lag, superseded ones included."""
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for (job_id, node), beat in batch.items():
-                    if beat is None:
-                        pipe.zrem(seen_key(job_id), node)
-                        pipe.delete(metrics_key(job_id, node))
-                        continue
-                    at_s, metrics, _ = beat
-                    pipe.zadd(seen_key(job_id), {node: at_s})
-                    pipe.hset(
-                        metrics_key(job_id, node),
-                        mapping={"at": at_s, "metrics": json.dumps(metrics, separators=(",", ":"))},
-                    )
-                    pipe.sadd(JOBS_KEY, job_id)
+                for job_id, nodes in batch.items():
+                    beats = {node: beat for node, beat in nodes.items() if beat is not None}
+                    gone = [node for node, beat in nodes.items() if beat is None]
+                    if beats:
+                        pipe.zadd(seen_key(job_id), {node: at for node, (at, _) in beats.items()})
+                        pipe.hset(frames_key(job_id), mapping={n: f for n, (_, f) in beats.items()})
+                    if gone:
+                        pipe.zrem(seen_key(job_id), *gone)
+                        pipe.hdel(frames_key(job_id), *gone)
+                pipe.sadd(JOBS_KEY, *batch)
                 pipe.incrby(BEATS_KEY, len(sent))
                 self._lag_into(pipe, sent)
                 await pipe.execute()
         except RedisError as exc:
             # Redis restarting: these beats are lost, the agents are not (their next beats land)
-            log.warning("heartbeats.lost", count=len(batch), error=str(exc))
+            log.warning("heartbeats.lost", count=len(sent), error=str(exc))
 
     def _lag_into(self, pipe: Any, sent: list[float]) -> None:
-        """Add this batch's lags (now, as it is written, minus each send) to the histogram."""
+        """Add the lags (now, as they are written, minus each send) to the histogram."""
         now = time.time()
         counts = [0] * (len(LAG_BUCKETS_S) + 1)
         total = 0.0
@@ -149,7 +145,8 @@ class Writer:
         for bound, count in zip((*LAG_BUCKETS_S, "+Inf"), counts, strict=True):
             if count:
                 pipe.hincrby(LAG_KEY, str(bound), count)
-        pipe.hincrbyfloat(LAG_KEY, "sum", total)
+        if sent:
+            pipe.hincrbyfloat(LAG_KEY, "sum", total)
 
 
 _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, Writer]] = (
@@ -194,8 +191,11 @@ async def silent(
 
 
 async def latest(redis: aioredis.Redis, job_id: int, node: str) -> dict[str, Any] | None:
-    """The node's last heartbeat: when it was heard and its metrics; None if not watched."""
-    found = await redis.hgetall(metrics_key(job_id, node))
-    if not found:
+    """The node's last heartbeat: when it was heard and the frame; None if not watched."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zscore(seen_key(job_id), node)
+        pipe.hget(frames_key(job_id), node)
+        at, frame = await pipe.execute()
+    if at is None or frame is None:
         return None
-    return {"at": float(found["at"]), "metrics": json.loads(found["metrics"])}
+    return {"at": float(at), "metrics": json.loads(frame)}

@@ -29,13 +29,15 @@ def snapshot_key(job_id: int) -> str:
 def build(redis: redis_sync.Redis, job_id: int, now_s: float | None = None) -> dict[str, Any]:
     """The job's picture now: every watched node's latest heartbeat, and their aggregate."""
     now_s = time.time() if now_s is None else now_s
-    seen: list[Any] = redis.zrange(liveness.seen_key(job_id), 0, -1, withscores=True)
     pipe = redis.pipeline(transaction=False)
-    for name, _ in seen:
-        pipe.hget(liveness.metrics_key(job_id, _text(name)), "metrics")
+    pipe.zrange(liveness.seen_key(job_id), 0, -1, withscores=True)
+    pipe.hgetall(liveness.frames_key(job_id))
+    seen, frames = pipe.execute()
+    frames = {_text(k): v for k, v in frames.items()}
     nodes, states = [], Counter[str]()
     steps, losses, rates, step_times = [], [], [], []
-    for (name, heard), raw in zip(seen, pipe.execute(), strict=True):
+    for name, heard in seen:
+        raw = frames.get(_text(name))
         metrics = json.loads(raw) if raw else {}
         devices = {str(d["device"]): d["state"] for d in metrics.get("devices", [])}
         states.update(devices.values())

@@ -143,6 +143,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     last_seq = -1
     last_heard_s: float | None = None
     leaving = False  # goodbye received, or replaced: the close is not a failure
+    raw = "{}"  # the heartbeat being handled, as received
 
     async def dispatch(self, message: dict[str, Any]) -> None:
         # Channels closes stale database connections before every message, through a thread
@@ -163,6 +164,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         raw = text_data if text_data is not None else bytes_data or b""
         try:
             frame = protocol.parse_agent_frame(raw)
+            if isinstance(frame, protocol.Heartbeat) and self.session is not None:
+                # validated: kept as the agent wrote it, the cheapest form to store
+                self.raw = raw if isinstance(raw, str) else raw.decode()
             await self.handle(frame)
         except ProtocolError as error:
             await self.refuse(error)
@@ -203,9 +207,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.last_seq = frame.seq
         if isinstance(frame, protocol.Heartbeat):
             self.last_heard_s = time.time()
-            metrics = frame.model_dump(exclude={"type", "seq"}, exclude_none=True)
             session = self.session
-            self.writer.beat(session.job_id, session.node, self.last_heard_s, metrics, frame.at)
+            self.writer.beat(session.job_id, session.node, self.last_heard_s, self.raw, frame.at)
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
         elif isinstance(frame, protocol.Fault):
@@ -271,7 +274,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
         await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
         self.last_heard_s = time.time()
-        self.writer.beat(session.job_id, session.node, self.last_heard_s, {}, self.last_heard_s)
+        self.writer.beat(session.job_id, session.node, self.last_heard_s, "{}", self.last_heard_s)
         await self.send(
             protocol.encode(
                 protocol.Welcome(

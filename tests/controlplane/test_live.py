@@ -33,7 +33,7 @@ async def beat(job_id: int, beats: list[tuple[str, int, list[str]]]) -> None:
                                        "samples_per_s": 10.0, "step_time_s": 1.0 + step / 1000,
                                        "devices": devices}  # fmt: skip
             now = time.time()
-            writer.beat(job_id, node, now, metrics, now)
+            writer.beat(job_id, node, now, json.dumps(metrics), now)
         while writer.flushing is not None:
             await asyncio.sleep(0.005)
     finally:
