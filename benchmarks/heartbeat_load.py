@@ -214,7 +214,9 @@ def lag_buckets(redis: Any) -> tuple[list[tuple[float, int]], float, int]:
     return [(float(b), n) for b, n in cumulative], total, beats
 
 
-def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> dict[str, Any]:
+def measure(
+    n: int, seconds: float, kills: int, hangs: int, redis_url: str, settle_s: float = SETTLE_S
+) -> dict[str, Any]:
     import redis
 
     client = redis.Redis.from_url(redis_url)
@@ -250,7 +252,7 @@ def measure(n: int, seconds: float, kills: int, hangs: int, redis_url: str) -> d
         try:
             _wait_for(port, server)
             start = time.time() + 2
-            opened = start + ramp_s(n) + 1 + SETTLE_S
+            opened = start + ramp_s(n) + 1 + settle_s
             window = (opened, opened + seconds)
             end = window[1] + 3
             chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
@@ -384,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per run")
     parser.add_argument("--kills", type=int, default=32, help="agents killed per run")
     parser.add_argument("--hangs", type=int, default=8, help="agents hung per run")
+    parser.add_argument("--settle", type=float, default=SETTLE_S,
+                        help="seconds between the ramp and the window (default 5)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/heartbeat_load.json")
     args = parser.parse_args(argv)
     try:
@@ -399,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in counts:
         print(f"{n} connections: ramp {ramp_s(n):g} s, window {args.seconds:g} s …", flush=True)
-        rows.append(measure(n, args.seconds, args.kills, args.hangs, redis_url))
+        rows.append(measure(n, args.seconds, args.kills, args.hangs, redis_url, args.settle))
         print("  " + ", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items()), flush=True)
     knee = next(
         (r["connections"] for r in rows

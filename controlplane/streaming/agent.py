@@ -19,12 +19,14 @@ import datetime as dt
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.db import connection
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -38,6 +40,17 @@ from worker_agent import protocol
 from worker_agent.protocol import ErrorCode, ProtocolError
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+def in_thread(func: Callable[..., T]) -> Callable[..., Awaitable[T]]:
+    """``func`` run in a worker thread with fresh database connections. Not Channels' default
+    single thread: with thousands of agents connecting at once, their hellos' queries would
+    queue behind each other there, and each socket's heartbeats behind its hello."""
+    # an in-memory SQLite database (the test suite's) is one connection shared by every thread,
+    # whose table locks wait for nobody: there, one thread it is
+    shared = connection.vendor == "sqlite" and connection.is_in_memory_db()  # type: ignore[attr-defined]
+    return database_sync_to_async(func, thread_sensitive=shared)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -49,8 +62,9 @@ class Session:
     devices: frozenset[int]
 
 
-def _hello(frame: protocol.Hello) -> Session:
-    """The session a hello opens, or a fatal ``ProtocolError``."""
+def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
+    """The session a hello opens and the node's unfinished commands (sent again while the
+    agent was away, or not acknowledged before it left), or a fatal ``ProtocolError``."""
     if frame.version != protocol.VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
@@ -76,7 +90,8 @@ def _hello(frame: protocol.Hello) -> Session:
             field="devices",
         )
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.HEALTHY)
-    return Session(job.pk, job.name, node.pk, node.name, frozenset(owned))
+    session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned))
+    return session, applying.unfinished(node.pk)
 
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
@@ -148,7 +163,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def dispatch(self, message: dict[str, Any]) -> None:
         # Channels closes stale database connections before every message, through a thread
         # hop that serialises the process; every database call here goes through
-        # database_sync_to_async, which does that itself, so heartbeats skip the hop.
+        # a thread through database_sync_to_async, which does that itself, so heartbeats skip
+        # the hop.
         handler = getattr(self, message["type"].replace(".", "_"), None)
         if handler is None:
             raise ValueError(f"no handler for message type {message['type']}")
@@ -190,7 +206,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{frame.type} before hello")
         if isinstance(frame, protocol.Goodbye):
             self.leaving = True
-            await database_sync_to_async(_goodbye)(self.session)
+            await in_thread(_goodbye)(self.session)
             self.writer.forget(self.session.job_id, self.session.node)
             await self.writer.settle()  # unwatched before the agent sees the close
             await self.close(code=1000)
@@ -219,7 +235,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                     f"devices {foreign} are not this node's",
                     field="devices",
                 )
-            decision = await database_sync_to_async(_fault)(self.session, frame)
+            decision = await in_thread(_fault)(self.session, frame)
             log.info(
                 "agent.fault", job=self.session.job_id, node=self.session.node, decision=decision
             )
@@ -227,7 +243,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def acked(self, frame: protocol.Ack) -> None:
         session = self.session
         assert session is not None
-        command = await database_sync_to_async(applying.acked)(session.node_id, frame)
+        command = await in_thread(applying.acked)(session.node_id, frame)
         if command is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_COMMAND,
@@ -248,7 +264,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 awaited.resumed_step is not None and step <= awaited.resumed_step
             ):
                 continue
-            resumed = await database_sync_to_async(applying.progress)(command, step=step)
+            resumed = await in_thread(applying.progress)(command, step=step)
             if resumed is None:
                 self.awaited.pop(command, None)  # done, or its decision moved on
             else:
@@ -268,7 +284,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.send(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:
-        self.session = session = await database_sync_to_async(_hello)(frame)
+        session, unfinished = await in_thread(_hello)(frame)
+        self.session = session
         # an older connection of the same node steps aside, in whichever process it is
         with contextlib.suppress(RedisError):
             await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
@@ -288,11 +305,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
         )
         log.info("agent.hello", job=session.job_id, node=session.node)
         # what was sent while this agent was away, or not acknowledged before it reconnected
-        for unfinished in await database_sync_to_async(applying.unfinished)(session.node_id):
-            if unfinished.acked:
-                self.awaited[unfinished.id] = Awaited(True, unfinished.resumed_step)
+        for command in unfinished:
+            if command.acked:
+                self.awaited[command.id] = Awaited(True, command.resumed_step)
             else:
-                await self.command(unfinished.frame)
+                await self.command(command.frame)
 
     async def disconnect(self, code: int) -> None:
         session = self.session
@@ -300,5 +317,5 @@ class AgentConsumer(AsyncWebsocketConsumer):
             hub.hub().leave(session.job_id, session.node, self.id)
             if not self.leaving:
                 self.writer.forget(session.job_id, session.node)
-                await database_sync_to_async(_lost)(session, self.last_heard_s)
+                await in_thread(_lost)(session, self.last_heard_s)
                 log.info("agent.lost", job=session.job_id, node=session.node, code=code)
