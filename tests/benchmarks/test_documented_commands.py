@@ -34,7 +34,7 @@ PAGES = sorted(
 )
 PROMPT = re.compile(r"^(?:\.venv/bin/)?python -m (?=\S)")
 # What the commands read or import; copied once per session, so their outputs stay in tmp.
-COPIED = ("benchmarks", "controlplane", "examples", "webui", "worker_agent")
+COPIED = ("benchmarks", "controlplane", "examples", "webui", "worker_agent", "manage.py")
 
 # Extra arguments that shrink a documented command (module and subcommand) to a few seconds:
 # one seed, a short horizon, one cell of a table. They come after the documented arguments, so
@@ -50,6 +50,10 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.simulator_speed", None): ("--sizes", "64", "--days", "0.02", "--no-baseline"),
     ("benchmarks.pitstop_gain", None): ("--seeds", "1", "--hours", "0.2", "--rows", "0,8"),
     ("benchmarks.sweep_workers", None): ("--seeds", "1", "--hours", "0.5"),
+    ("benchmarks.heartbeat_load", None): (
+        *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
+        *("--settle", "1"),
+    ),
 }
 # Where a command's JSON lands when it does not print "wrote PATH": the simulator's summary.
 SUMMARY = "summary.json"
@@ -148,6 +152,9 @@ def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Complete
 def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repo")
     for name in COPIED:
+        if (ROOT / name).is_file():
+            shutil.copy(ROOT / name, root / name)
+            continue
         shutil.copytree(
             ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "results")
         )
