@@ -3,7 +3,8 @@
 For each connection count N, a fresh control plane (the ASGI server and the failure detector,
 a temporary SQLite database, Redis) serves one job of N nodes × 8 devices, and two load
 processes open N websockets on loopback: ``hello``, then a heartbeat a second per node, with a
-random phase and ±50 ms jitter. After a ramp and a settle, during the measured window:
+random phase and ±50 ms jitter (``--interval``). After a ramp and a settle, during the
+measured window:
 
 - ingest lag, from the agent's send to the heartbeat written in Redis, is read from the server's
   own histogram (``pitstop_heartbeat_ingest_lag_seconds``, the one ``/metrics`` exports), with
@@ -151,7 +152,7 @@ async def agent(
             await ws.send(json.dumps(frame))
             if plan["window"][0] <= sent < plan["window"][1]:
                 out["sent_in_window"] += 1
-            beat += 1.0
+            beat += plan["interval"]
             await asyncio.sleep(max(beat + random.uniform(-0.05, 0.05) - time.time(), 0))
     except websockets.WebSocketException:
         out["send_errors"] += 1
@@ -257,7 +258,8 @@ def measure(
             end = window[1] + 3
             chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
             plans: dict[int, dict[str, Any]] = {
-                i: {"end": end, "window": window, "ramp": ramp_s(n)} for i in range(n)
+                i: {"end": end, "window": window, "ramp": ramp_s(n), "interval": interval()}
+                for i in range(n)
             }
             for k, node in enumerate(chosen[:kills]):
                 plans[node]["kill"] = window[1] - 2.5 + 0.02 * k
@@ -337,9 +339,13 @@ print(token)
 """
 
 
+def interval() -> float:
+    """Seconds between an agent's heartbeats (the server's setting, which main sets)."""
+    return float(os.environ.get("PITSTOP_HEARTBEAT_INTERVAL_S", 1.0))
+
+
 def liveness_deadline() -> float:
-    interval = float(os.environ.get("PITSTOP_HEARTBEAT_INTERVAL_S", 1.0))
-    return interval * int(os.environ.get("PITSTOP_MISSED_BEATS", 3))
+    return interval() * int(os.environ.get("PITSTOP_MISSED_BEATS", 3))
 
 
 def _wait_for(port: int, server: subprocess.Popen[bytes]) -> None:
@@ -386,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per run")
     parser.add_argument("--kills", type=int, default=32, help="agents killed per run")
     parser.add_argument("--hangs", type=int, default=8, help="agents hung per run")
+    parser.add_argument("--interval", type=float, default=interval(),
+                        help="seconds between heartbeats (default: PITSTOP_HEARTBEAT_INTERVAL_S "
+                             "or 1); the hang deadline is this × PITSTOP_MISSED_BEATS")  # fmt: skip
     parser.add_argument("--settle", type=float, default=SETTLE_S,
                         help="seconds between the ramp and the window (default 5)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/heartbeat_load.json")
@@ -398,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("each connection count must be ≥ 1 and cover --kills + --hangs")
     if not 5 <= args.seconds <= 600:
         parser.error("--seconds must be within 5..600")
+    if not 0.1 <= args.interval <= 10:
+        parser.error("--interval must be within 0.1..10 seconds")
+    os.environ["PITSTOP_HEARTBEAT_INTERVAL_S"] = str(args.interval)  # the server's and ours
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
     rows = []
@@ -429,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "heartbeat_load",
             "cpus": os.cpu_count(),
             "window_s": args.seconds,
+            "interval_s": args.interval,
             "deadline_s": liveness_deadline(),
             "rows": rows,
             "knee": knee,

@@ -24,11 +24,18 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision, TimelineEvent
+from controlplane.incidents.models import (
+    DecisionStatus,
+    EventKind,
+    Failure,
+    RecoveryDecision,
+    TimelineEvent,
+)
 from controlplane.jobs import liveness
 
-# Planning time is averaged over the most recent proposals, so a scrape stays cheap.
+# Planning and recovery times are taken over the most recent ones, so a scrape stays cheap.
 PLANNING_WINDOW = 1000
+RECOVERY_WINDOW = 1000
 
 
 class ControlPlaneCollector(Collector):
@@ -90,6 +97,8 @@ class ControlPlaneCollector(Collector):
             sum_value=sum(planning),
         )
 
+        yield self._recoveries()
+
         decisions = GaugeMetricFamily(
             "pitstop_decisions", "recovery decisions by status", labels=["status"]
         )
@@ -99,6 +108,28 @@ class ControlPlaneCollector(Collector):
         for status in DecisionStatus.values:
             decisions.add_metric([status], counts.get(status, 0))
         yield decisions
+
+
+    def _recoveries(self) -> SummaryMetricFamily:
+        """From each failure to its decision's recovery (every agent training again), by the
+        policy of the plan applied ("edited" for an operator's own plan)."""
+        by_policy: dict[str, list[float]] = {}
+        recovered = TimelineEvent.objects.filter(kind=EventKind.RECOVERED).values_list(
+            "at", "decision__failure__occurred_at", "decision__chosen", "decision__decision"
+        )
+        for at, occurred, chosen, decision in recovered.order_by("-at")[:RECOVERY_WINDOW]:
+            policy = "edited"
+            if chosen is not None and decision is not None:
+                policy = decision["candidates"][chosen]["policy"]
+            by_policy.setdefault(policy, []).append((at - occurred).total_seconds())
+        family = SummaryMetricFamily(
+            "pitstop_recovery_seconds",
+            f"from a failure to every agent training again, the last {RECOVERY_WINDOW} recoveries",
+            labels=["policy"],
+        )
+        for policy, seconds in sorted(by_policy.items()):
+            family.add_metric([policy], count_value=len(seconds), sum_value=sum(seconds))
+        return family
 
 
 def metrics(request: HttpRequest) -> HttpResponse:

@@ -16,7 +16,9 @@ import pytest
 import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.test import Client
 from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.views import phases
 from controlplane.asgi import application
@@ -185,6 +187,16 @@ async def test_an_auto_plan_reaches_every_agent_and_recovers_when_they_train_aga
     events = await database_sync_to_async(lambda: list(decision.events.all()))()
     breakdown = {p["phase"]: p["seconds"] for p in phases(await latest(job), events)}
     assert all(seconds is not None and seconds >= 0 for seconds in breakdown.values()), breakdown
+    # /metrics: the recovery's duration, under the policy whose plan was applied
+    scraped = await database_sync_to_async(lambda: Client().get("/metrics").content.decode())()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+    }
+    policy = (("policy", "dynamic"),)
+    assert samples[("pitstop_recovery_seconds_count", policy)] == 1
+    assert 0 < samples[("pitstop_recovery_seconds_sum", policy)] < 30
 
 
 async def _has(decision: RecoveryDecision, kind: str) -> bool:
