@@ -109,7 +109,6 @@ class ControlPlaneCollector(Collector):
             decisions.add_metric([status], counts.get(status, 0))
         yield decisions
 
-
     def _recoveries(self) -> SummaryMetricFamily:
         """From each failure to its decision's recovery (every agent training again), by the
         policy of the plan applied ("edited" for an operator's own plan)."""
