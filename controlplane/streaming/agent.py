@@ -292,6 +292,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
         self.last_heard_s = time.time()
         self.writer.beat(session.job_id, session.node, self.last_heard_s, "{}", self.last_heard_s)
+        await self.writer.settle()  # watched by the deadline before the agent is welcomed
         await self.send(
             protocol.encode(
                 protocol.Welcome(
