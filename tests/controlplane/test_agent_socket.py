@@ -3,6 +3,7 @@ and a coded error for every frame it refuses."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -104,7 +105,7 @@ async def test_heartbeats_go_to_redis_and_goodbye_leaves_quietly(
             last = await liveness.latest(redis, job.pk, "node-0")
             if last is not None and last["metrics"].get("step") == 43:
                 break
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         assert last is not None and last["metrics"]["step"] == 43 and last["metrics"]["loss"] == 2.5
         await socket.send_to(protocol.encode(protocol.Goodbye(reason="done")))
         assert await closed_with(socket) == 1000
@@ -130,10 +131,14 @@ async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
         failure = await database_sync_to_async(Failure.objects.filter(job=job).first)()
         if failure is not None:
             break
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     assert failure is not None and failure.devices == [2] and failure.source == "agent"
-    decision = await database_sync_to_async(RecoveryDecision.objects.get)(failure=failure)
-    assert decision.status == DecisionStatus.APPLYING  # planned in this process (eager)
+    for _ in range(200):  # planned in this process (eager), just after the failure's commit
+        decision = await database_sync_to_async(RecoveryDecision.objects.get)(failure=failure)
+        if decision.status != DecisionStatus.PLANNING:
+            break
+        await asyncio.sleep(0.02)
+    assert decision.status == DecisionStatus.APPLYING
 
 
 async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:

@@ -4,6 +4,7 @@ lost or applied twice when a command is missed, refused, or its agent reconnects
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime as dt
 import json
@@ -137,7 +138,7 @@ async def eventually(check: Any, timeout: float = 10) -> Any:
         found = await check()
         if found or time.monotonic() > deadline:
             return found
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
 
 
 async def commands_after_a_fault(job: Job, agents: dict[str, Agent]) -> dict[str, dict[str, Any]]:
