@@ -35,7 +35,15 @@ from controlplane.incidents.models import (
     RecoveryDecision,
 )
 from controlplane.incidents.transitions import IllegalTransition, record, transition
-from controlplane.jobs.models import Device, DeviceState, Job, JobStatus, Node, NodeStatus
+from controlplane.jobs.models import (
+    Device,
+    DeviceState,
+    Job,
+    JobStatus,
+    Node,
+    NodeStatus,
+    heavy,
+)
 from controlplane.streaming import hub
 from worker_agent import protocol
 
@@ -146,8 +154,9 @@ def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
         return None
     with transaction.atomic():
         command = (
-            AgentCommand.objects.select_for_update()
+            AgentCommand.objects.select_for_update(of=("self",))
             .select_related("decision__job", "node")
+            .defer(*heavy("decision__job"))
             .filter(pk=command_id, node_id=node_id)
             .first()
         )
@@ -178,8 +187,9 @@ def progress(command_id: str, *, step: int) -> int | None:
     now = timezone.now()
     with transaction.atomic():
         command = (
-            AgentCommand.objects.select_for_update()
+            AgentCommand.objects.select_for_update(of=("self",))
             .select_related("decision__job")
+            .defer(*heavy("decision__job"))
             .filter(pk=command_id)
             .first()
         )
@@ -196,7 +206,8 @@ def progress(command_id: str, *, step: int) -> int | None:
         siblings = AgentCommand.objects.filter(decision=decision)
         job = command.decision.job
         if command.stepped_at is None:
-            if not siblings.filter(resumed_at__isnull=True).exists():
+            resumed = not siblings.filter(resumed_at__isnull=True).exists()
+            if resumed and not decision.events.filter(kind=EventKind.RESUMED).exists():
                 record(job, EventKind.RESUMED, actor="system", decision=decision, step=step)
             return command.resumed_step
         if not siblings.filter(stepped_at__isnull=True).exists():
