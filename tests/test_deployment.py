@@ -12,7 +12,7 @@ from celery.app.utils import find_app
 
 from tests.processes import REPO_ROOT
 
-PITSTOP_SERVICES = ("migrate", "web", "worker", "beat")
+PITSTOP_SERVICES = ("migrate", "web", "worker", "detector", "beat")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def services() -> dict[str, dict[str, Any]]:
 
 
 def test_stack_has_every_service(services: dict[str, dict[str, Any]]) -> None:
-    expected = {"postgres", "redis", "migrate", "web", "worker", "beat", "agent"}
+    expected = {"postgres", "redis", "migrate", "web", "worker", "detector", "beat", "agent"}
     assert expected <= set(services)
 
 

@@ -1,0 +1,287 @@
+"""Simulated nodes: agents that speak the real protocol without trainers.
+
+For scale tests and demos: each simulated node says hello, sends a heartbeat every interval the
+server asks for (its step advancing at the step time, its devices training), and carries out
+the commands it is sent as a node's agent would: an ``apply_plan`` is checked (with a scenario
+file, against its model and cluster, by the core's codec), then its devices restore for
+``--restore-s`` and train again at the step they stopped at, at the step time the core's
+estimator gives the new plan. A command id is carried out once and acknowledged every time it
+comes. Sockets reconnect with a jittered back-off; SIGTERM or Ctrl-C says goodbye and stops.
+
+    python -m worker_agent simulate --server ws://127.0.0.1:8000 --job NAME --token TOKEN
+        --nodes 4 [--devices-per-node 8] [--first-node 0] [--scenario FILE] [--seconds S]
+
+Bounded: at most 4,096 nodes, and a loopback server unless ``--allow-remote`` (a container
+network). ``PITSTOP_SERVER``, ``PITSTOP_JOB`` and ``PITSTOP_AGENT_TOKEN`` give the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import websockets
+
+from worker_agent import protocol
+
+log = logging.getLogger("worker_agent.sim")
+MAX_NODES = 4096
+
+
+@dataclass
+class Node:
+    """One simulated node: its devices, its training progress and the commands it carried out."""
+
+    name: str
+    devices: list[int]
+    step_s: float
+    restore_s: float
+    check_plan: Callable[[dict[str, Any]], float | None] | None = None
+    state: protocol.DeviceState = protocol.DeviceState.TRAINING
+    step_at: int = 0  # the step when training (re)started
+    since: float = field(default_factory=time.monotonic)
+    outcomes: dict[str, protocol.Ack] = field(default_factory=dict)  # command id -> its ack
+    seq: int = 0
+    stopped: bool = False
+
+    @property
+    def step(self) -> int:
+        if self.state is not protocol.DeviceState.TRAINING:
+            return self.step_at
+        return self.step_at + int((time.monotonic() - self.since) / self.step_s)
+
+    def pause(self, state: protocol.DeviceState) -> None:
+        self.step_at, self.state = self.step, state
+
+    def train(self) -> None:
+        self.since, self.state = time.monotonic(), protocol.DeviceState.TRAINING
+
+    def heartbeat(self) -> protocol.Heartbeat:
+        self.seq += 1
+        step = self.step
+        training = self.state is protocol.DeviceState.TRAINING
+        return protocol.Heartbeat(
+            seq=self.seq,
+            at=time.time(),
+            step=step,
+            loss=1.5 + 2.5 * math.exp(-step / 500),
+            samples_per_s=len(self.devices) / self.step_s if training else 0.0,
+            step_time_s=self.step_s,
+            devices=[protocol.DeviceReport(device=d, state=self.state) for d in self.devices],
+        )
+
+    async def carry_out(self, command: protocol.Command) -> protocol.Ack:
+        """Do what ``command`` asks, once per id; the acknowledgement to send."""
+        done = self.outcomes.get(command.id)
+        if done is not None:
+            return done  # sent again (a reconnection, a restart): not carried out twice
+        error = None
+        if command.action is protocol.Action.APPLY_PLAN:
+            error = await self.apply(command.plan or {})
+        elif command.action is protocol.Action.PAUSE:
+            self.pause(protocol.DeviceState.PAUSED)
+        elif command.action is protocol.Action.RESUME:
+            self.train()
+        elif command.action is protocol.Action.STOP:
+            self.pause(protocol.DeviceState.IDLE)
+            self.stopped = True
+        ack = protocol.Ack(command=command.id, ok=error is None, at=time.time(), error=error)
+        self.outcomes[command.id] = ack
+        return ack
+
+    async def apply(self, plan: dict[str, Any]) -> protocol.Error | None:
+        step_s = None
+        if self.check_plan is not None:
+            try:
+                step_s = self.check_plan(plan)
+            except ValueError as exc:
+                return protocol.Error(code=protocol.ErrorCode.INVALID, message=str(exc))
+        used = {d for p in plan.get("pipelines", []) for s in p["stages"] for d in s["devices"]}
+        self.pause(protocol.DeviceState.RESTORING)
+        await asyncio.sleep(self.restore_s)  # the weights this node's new stages need
+        if step_s is not None:
+            self.step_s = step_s
+        if used & set(self.devices):
+            self.train()
+        else:
+            self.pause(protocol.DeviceState.IDLE)  # a spare under this plan
+        return None
+
+
+async def converse(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> bool:
+    """One connection; True when the node should connect again."""
+    async with websockets.connect(url, open_timeout=10, ping_interval=20) as ws:
+        hello = protocol.Hello(job=job, node=node.name, token=token, devices=node.devices,
+                               agent="pitstop-sim")  # fmt: skip
+        await ws.send(protocol.encode(hello))
+        welcome = protocol.parse_server_frame(await ws.recv())
+        if isinstance(welcome, protocol.Error):
+            log.error("%s refused: [%s] %s", node.name, welcome.code, welcome.message)
+            return False
+        assert isinstance(welcome, protocol.Welcome)
+        log.info("%s connected to %s", node.name, url)
+        reader = asyncio.create_task(listen(node, ws))
+        try:
+            while not stop.is_set() and not node.stopped and not reader.done():
+                await ws.send(protocol.encode(node.heartbeat()))
+                jitter = random.uniform(-0.05, 0.05) * welcome.heartbeat_interval_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), welcome.heartbeat_interval_s + jitter)
+            if stop.is_set() or node.stopped:
+                await ws.send(protocol.encode(protocol.Goodbye(reason="simulation stopped")))
+                return False
+            return bool(reader.result())
+        finally:
+            reader.cancel()
+
+
+async def listen(node: Node, ws: Any) -> bool:
+    """Carry out and acknowledge the server's commands; False when it refused this node."""
+    async for text in ws:
+        try:
+            frame = protocol.parse_server_frame(text)
+        except protocol.ProtocolError as error:
+            log.warning("%s: a frame it cannot read: %s", node.name, error)
+            continue
+        if isinstance(frame, protocol.Error):
+            log.warning("%s: [%s] %s", node.name, frame.code, frame.message)
+            if frame.code in protocol.FATAL:
+                return False
+        elif isinstance(frame, protocol.Command):
+            began = time.monotonic()
+            ack = await node.carry_out(frame)
+            await ws.send(protocol.encode(ack))
+            log.info("%s: %s %s of decision %s in %.2f s", node.name, frame.action.value,
+                     "done" if ack.ok else "refused", frame.decision,
+                     time.monotonic() - began)  # fmt: skip
+            if node.stopped:
+                return False
+    return True  # the server closed the socket: connect again
+
+
+async def keep_connected(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> None:
+    backoff = 0.2
+    while not stop.is_set() and not node.stopped:
+        try:
+            if not await converse(node, url, job, token, stop):
+                return
+            backoff = 0.2
+        except (OSError, TimeoutError, websockets.WebSocketException) as exc:
+            log.info("%s: %s; again in %.1f s", node.name, exc.__class__.__name__, backoff)
+        await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+        backoff = min(backoff * 2, 5.0)
+
+
+def plan_checker(path: str) -> Callable[[dict[str, Any]], float | None]:
+    """A plan's step time by the core's estimator, for the scenario's model and cluster; a
+    ValueError saying what is wrong with a plan that does not fit it."""
+    from controlplane.recovery.codec import plan_from_dict, scenario_from_dict
+    from controlplane.recovery.errors import RecoveryError
+    from controlplane.recovery.estimator.time import estimate_step_time
+
+    with open(path) as handle:
+        state = scenario_from_dict(json.load(handle)).state
+
+    def check(plan: dict[str, Any]) -> float | None:
+        try:
+            parsed = plan_from_dict(plan, profile=state.profile, cluster=state.cluster)
+        except RecoveryError as exc:
+            raise ValueError(str(exc)) from None
+        return estimate_step_time(state.profile, state.cluster, parsed)
+
+    return check
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m worker_agent simulate", description=__doc__.split("\n\n")[0]
+    )
+    env = os.environ.get
+    p.add_argument("--server", default=env("PITSTOP_SERVER", "ws://127.0.0.1:8000"),
+                   help="the control plane's address (ws://HOST:PORT)")  # fmt: skip
+    p.add_argument("--job", default=env("PITSTOP_JOB"), help="the job's name")
+    p.add_argument("--token", default=env("PITSTOP_AGENT_TOKEN"), help="the job's agent token")
+    p.add_argument("--nodes", type=int, default=1, help=f"nodes to simulate (≤ {MAX_NODES})")
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--first-node", type=int, default=0, help="index of the first node to play")
+    p.add_argument("--step-time", type=float, default=1.0, help="seconds a step (no --scenario)")
+    p.add_argument("--scenario", help="the job's scenario file: plans are checked and timed "
+                   "by the core's estimator")  # fmt: skip
+    p.add_argument("--restore-s", type=float, default=0.2, help="seconds to apply a plan")
+    p.add_argument("--seconds", type=float, help="stop after this long (default: when stopped)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a server that is not on loopback (a container network)")  # fmt: skip
+    return p
+
+
+def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if not args.job or not args.token:
+        p.error("--job and --token are needed (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN)")
+    if not 1 <= args.nodes <= MAX_NODES:
+        p.error(f"--nodes must be within 1..{MAX_NODES}")
+    if args.devices_per_node < 1 or args.first_node < 0:
+        p.error("--devices-per-node must be ≥ 1 and --first-node ≥ 0")
+    if not args.step_time > 0 or args.restore_s < 0:
+        p.error("--step-time must be > 0 and --restore-s ≥ 0")
+    url = urlparse(args.server)
+    if url.scheme not in ("ws", "wss") or not url.hostname:
+        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
+    if not args.allow_remote and not _loopback(url.hostname):
+        p.error(f"--server {url.hostname} is not on loopback; add --allow-remote to mean it")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def simulate(args: argparse.Namespace) -> None:
+    check = plan_checker(args.scenario) if args.scenario else None
+    step_s = args.step_time
+    if check is not None:
+        with open(args.scenario) as handle:
+            step_s = check(json.load(handle)["plan"]) or step_s
+    per = args.devices_per_node
+    nodes = [
+        Node(f"node-{i}", list(range(i * per, (i + 1) * per)), step_s, args.restore_s, check)
+        for i in range(args.first_node, args.first_node + args.nodes)
+    ]
+    url = args.server.rstrip("/") + "/ws/agent/"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.seconds is not None:
+        loop.call_later(args.seconds, stop.set)
+    log.info("simulating %d nodes of %s at %.3g s a step", len(nodes), args.job, step_s)
+    await asyncio.gather(*(keep_connected(n, url, args.job, args.token, stop) for n in nodes))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    check_arguments(args, p)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    asyncio.run(simulate(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
