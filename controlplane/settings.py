@@ -28,13 +28,16 @@ DATABASES = {
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The embedded default is written by several processes at once (the server, the detector,
-    # Celery workers): the write-ahead log lets readers go on while one writes, a writer takes
-    # its lock when its transaction begins, and waits up to 20 s for it instead of failing.
+    # Celery workers): the write-ahead log (switched on once per file, controlplane/sqlite.py)
+    # lets readers go on while one writes, a writer takes its lock when its transaction begins
+    # and waits up to 20 s for it instead of failing, and a thread keeps its connection a while
+    # rather than opening the file for every call.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        init_command="PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        init_command="PRAGMA synchronous=NORMAL;",
         transaction_mode="IMMEDIATE",
         timeout=20,
     )
+    DATABASES["default"]["CONN_MAX_AGE"] = 60
 
 # What a process that does not serve (manage.py migrate, mypy) sees when REDIS_URL is unset: a
 # host in the reserved .invalid domain, which never resolves, so a client that uses it anyway

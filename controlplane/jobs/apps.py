@@ -7,3 +7,8 @@ class JobsConfig(AppConfig):
     name = "controlplane.jobs"
     label = "jobs"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from controlplane import sqlite
+
+        sqlite.connect()
