@@ -78,6 +78,9 @@ class Writer:
         self.queued: dict[int, dict[str, tuple[float, str] | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
         self.flushing: asyncio.Task[None] | None = None
+        # resolved when the queue as it stands is written, and when the batch in flight is
+        self.queued_done: asyncio.Future[None] | None = None
+        self.writing_done: asyncio.Future[None] | None = None
 
     def beat(self, job_id: int, node: str, at_s: float, frame: str, sent_s: float) -> None:
         """Queue the heartbeat ``frame`` (its JSON text) heard at ``at_s``, which its agent sent
@@ -102,14 +105,25 @@ class Writer:
             while self.queued:
                 batch, self.queued = self.queued, {}
                 sent, self.sent = self.sent, []
-                await self._write(batch, sent)
+                done, self.queued_done = self.queued_done, None
+                self.writing_done = done or asyncio.get_running_loop().create_future()
+                try:
+                    await self._write(batch, sent)
+                finally:
+                    self.writing_done.set_result(None)
+                    self.writing_done = None
         finally:
             self.flushing = None
 
     async def settle(self) -> None:
-        """Wait until everything queued is written (or lost to a Redis error)."""
-        while self.flushing is not None:
-            await asyncio.wait({self.flushing})
+        """Wait until what is queued now is written (or lost to a Redis error); not for what
+        comes after, which under a steady stream of beats never stops coming."""
+        if self.queued:
+            if self.queued_done is None:
+                self.queued_done = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self.queued_done)
+        elif self.writing_done is not None:
+            await asyncio.shield(self.writing_done)
 
     async def _write(
         self, batch: dict[int, dict[str, tuple[float, str] | None]], sent: list[float]

@@ -91,3 +91,34 @@ def test_every_log_event_of_a_request_carries_its_id(caplog: pytest.LogCaptureFi
     assert len(made_up["X-Request-ID"]) == 32
     too_long = Client().get("/healthz", headers={"X-Request-ID": "x" * 65})
     assert too_long["X-Request-ID"] != "x" * 65
+
+
+def test_settling_waits_for_the_beats_queued_not_for_a_stream_that_never_stops() -> None:
+    async def scenario() -> None:
+        redis = liveness.client()
+        writer = liveness.Writer(redis)
+        streaming = True
+
+        async def stream() -> None:  # another socket's beats, without a pause
+            while streaming:
+                now = time.time()
+                writer.beat(999_999, "node-busy", now, "{}", now)
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(stream())
+        try:
+            await asyncio.sleep(0.05)
+            now = time.time()
+            writer.beat(999_999, "node-new", now, '{"step": 1}', now)
+            await asyncio.wait_for(writer.settle(), timeout=10)
+            assert not other.done()  # settled while the stream went on
+            assert await liveness.latest(redis, 999_999, "node-new") is not None
+        finally:
+            streaming = False
+            await other
+            writer.forget(999_999, "node-busy")
+            writer.forget(999_999, "node-new")
+            await writer.settle()
+            await redis.aclose()
+
+    asyncio.run(scenario())
