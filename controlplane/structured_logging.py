@@ -2,13 +2,32 @@
 
 import logging.config
 import os
+import re
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
 LOG_FORMATS = ("json", "console")
 
+# Fields whose values never reach a log line, whoever logs them: tokens, keys, passwords.
+SECRET_FIELD = re.compile(r"token|secret|password|passwd|authorization|api_key|cookie", re.I)
+REDACTED = "[redacted]"
+
+
+def redact_secrets(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: the value of every field named like a secret becomes ``REDACTED``."""
+    for key in event:
+        if key != "event" and SECRET_FIELD.search(key):
+            event[key] = REDACTED
+    return event
+
+
 _SHARED_PROCESSORS: list[structlog.types.Processor] = [
     structlog.contextvars.merge_contextvars,
+    redact_secrets,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -7,7 +7,7 @@ from typing import Any
 from rest_framework import serializers
 
 from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
-from controlplane.jobs.models import ApprovalMode, Job
+from controlplane.jobs.models import ApprovalMode, Device, Job, Node
 from controlplane.simulations.models import Sweep
 
 
@@ -52,6 +52,30 @@ class JobCreateSerializer(serializers.Serializer):
     enabled_policies = serializers.ListField(
         child=serializers.CharField(), default=list, help_text="empty: every policy"
     )
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    devices = serializers.SerializerMethodField(help_text="the node's device ids, in order")
+
+    class Meta:
+        model = Node
+        fields = ("id", "job", "name", "index", "status", "devices")
+        read_only_fields = fields
+
+    def get_devices(self, node: Node) -> list[int]:
+        # prefetched by the view (NodeViewSet.get_queryset)
+        return [device.index for device in node.devices.all()]
+
+
+class DeviceSerializer(serializers.ModelSerializer):
+    node: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
+
+    class Meta:
+        model = Device
+        fields = ("id", "job", "node", "index", "state")
+        read_only_fields = fields
 
 
 class WhatIfSerializer(serializers.Serializer):

@@ -10,6 +10,8 @@ app_name = "api"
 
 router = DefaultRouter()
 router.register("jobs", views.JobViewSet, basename="job")
+router.register("nodes", views.NodeViewSet, basename="node")
+router.register("devices", views.DeviceViewSet, basename="device")
 router.register("failures", views.FailureViewSet, basename="failure")
 router.register("recoveries", views.RecoveryViewSet, basename="recovery")
 router.register("simulations", views.SweepViewSet, basename="simulation")

@@ -8,9 +8,9 @@ import datetime as dt
 import io
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, Model, Q, QuerySet
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema
 from redis.exceptions import RedisError
@@ -26,12 +26,20 @@ from controlplane.api import serializers as s
 from controlplane.api.roles import CanOperate, CanRead, ReadOrAdminister
 from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions
-from controlplane.incidents.models import EventKind, Failure, RecoveryDecision, TimelineEvent
+from controlplane.incidents.models import (
+    DecisionStatus,
+    EventKind,
+    Failure,
+    RecoveryDecision,
+    TimelineEvent,
+)
 from controlplane.jobs import liveness, snapshot
-from controlplane.jobs.models import DeviceState, Job
+from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
 from controlplane.jobs.services import create_job
 from controlplane.simulations import sweeps
 from controlplane.simulations.models import Sweep
+
+_M = TypeVar("_M", bound=Model)
 
 TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "payload")
 
@@ -179,6 +187,49 @@ def _timeline_response(
     return response
 
 
+class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    """Nodes with their status and device ids, by job and index; ``?job=ID`` and
+    ``?status=S`` filter."""
+
+    serializer_class = s.NodeSerializer
+    permission_classes = (CanRead,)
+
+    def get_queryset(self) -> QuerySet[Node]:
+        nodes = Node.objects.prefetch_related("devices").order_by("job_id", "index")
+        job = _int_param(self.request, "job")
+        nodes = nodes if job is None else nodes.filter(job_id=job)
+        return _choice_filter(self.request, nodes, "status", NodeStatus.values)
+
+
+class DeviceViewSet(viewsets.ReadOnlyModelViewSet):
+    """Devices (the core's ids) with their state and node, by job and index; ``?job=ID``,
+    ``?node=NAME`` and ``?state=S`` filter."""
+
+    serializer_class = s.DeviceSerializer
+    permission_classes = (CanRead,)
+
+    def get_queryset(self) -> QuerySet[Device]:
+        devices = Device.objects.select_related("node").order_by("job_id", "index")
+        job = _int_param(self.request, "job")
+        if job is not None:
+            devices = devices.filter(job_id=job)
+        node = self.request.query_params.get("node")
+        if node is not None:
+            devices = devices.filter(node__name=node)
+        return _choice_filter(self.request, devices, "state", DeviceState.values)
+
+
+def _choice_filter(
+    request: Request, rows: QuerySet[_M], name: str, allowed: list[str]
+) -> QuerySet[_M]:
+    value = request.query_params.get(name)
+    if value is None:
+        return rows
+    if value not in allowed:
+        raise ValidationError({name: [f"expected one of {', '.join(allowed)}, got {value!r}"]})
+    return rows.filter(**{name: value})
+
+
 class FailureViewSet(viewsets.ReadOnlyModelViewSet):
     """Failures, newest first; ``?job=ID`` filters."""
 
@@ -241,10 +292,7 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
         job = _int_param(self.request, "job")
         if job is not None:
             found = found.filter(job_id=job)
-        wanted = self.request.query_params.get("status")
-        if wanted is not None:
-            found = found.filter(status=wanted)
-        return found
+        return _choice_filter(self.request, found, "status", DecisionStatus.values)
 
     @extend_schema(request=s.ApproveSerializer, responses={200: s.RecoverySerializer})
     @action(detail=True, methods=["post"], permission_classes=[CanOperate])

@@ -201,14 +201,53 @@ def test_job_lists_take_the_same_queries_for_2_and_6_jobs(
     client = client_as("viewer")
     for _ in range(2):
         proposed()
-    with django_assert_max_num_queries(20) as few:
-        for url in ("/api/v1/jobs/", "/api/v1/recoveries/", "/api/v1/failures/"):
+    with django_assert_max_num_queries(30) as few:
+        for url in LISTS:
             assert client.get(url).status_code == 200
     for _ in range(4):
         proposed()
     with django_assert_max_num_queries(len(few.captured_queries)):
-        for url in ("/api/v1/jobs/", "/api/v1/recoveries/", "/api/v1/failures/"):
+        for url in LISTS:
             assert client.get(url).status_code == 200
+
+
+LISTS = (
+    "/api/v1/jobs/",
+    "/api/v1/nodes/",
+    "/api/v1/devices/",
+    "/api/v1/recoveries/",
+    "/api/v1/failures/",
+)
+
+
+def test_nodes_and_devices_are_listed_by_job_and_filtered() -> None:
+    decision = proposed()
+    other = proposed()
+    client = client_as("viewer")
+    per_node = SCENARIO["cluster"]["devices_per_node"]
+    total = SCENARIO["cluster"]["devices"] + SCENARIO["cluster"]["spares"]
+    nodes = client.get(f"/api/v1/nodes/?job={decision.job_id}").json()
+    assert nodes["count"] == -(-total // per_node)
+    first = nodes["results"][0]
+    assert (first["job"], first["index"]) == (decision.job_id, 0)
+    assert first["devices"] == list(range(per_node))
+    devices = client.get(f"/api/v1/devices/?job={decision.job_id}").json()
+    assert [d["index"] for d in devices["results"]] == list(range(total))
+    failed = client.get(f"/api/v1/devices/?job={decision.job_id}&state=failed").json()
+    assert [d["index"] for d in failed["results"]] == [5]  # proposed() fails device 5
+    spares = client.get(f"/api/v1/devices/?job={other.job_id}&state=spare").json()
+    assert [d["index"] for d in spares["results"]] == list(range(total - 2, total))
+    node = first["name"]
+    on_node = client.get(f"/api/v1/devices/?job={decision.job_id}&node={node}").json()
+    assert [d["index"] for d in on_node["results"]] == list(range(per_node))
+    for url, field in (
+        ("/api/v1/devices/?state=broken", "state"),
+        ("/api/v1/nodes/?status=gone", "status"),
+        ("/api/v1/nodes/?job=x", "job"),
+        ("/api/v1/recoveries/?status=done", "status"),
+    ):
+        bad = client.get(url)
+        assert (bad.status_code, bad.json()["code"], bad.json()["field"]) == (400, "invalid", field)
 
 
 def test_what_if_writes_nothing() -> None:
