@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
 import math
 import os
-import random
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -33,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-import websockets
-
 from worker_agent import protocol
+from worker_agent.connection import Uplink
 
 log = logging.getLogger("worker_agent.sim")
 MAX_NODES = 4096
@@ -54,7 +51,6 @@ class Node:
     step_at: int = 0  # the step when training (re)started
     since: float = field(default_factory=time.monotonic)
     outcomes: dict[str, protocol.Ack] = field(default_factory=dict)  # command id -> its ack
-    seq: int = 0
     stopped: bool = False
 
     @property
@@ -69,12 +65,11 @@ class Node:
     def train(self) -> None:
         self.since, self.state = time.monotonic(), protocol.DeviceState.TRAINING
 
-    def heartbeat(self) -> protocol.Heartbeat:
-        self.seq += 1
+    def heartbeat(self, seq: int) -> protocol.Heartbeat:
         step = self.step
         training = self.state is protocol.DeviceState.TRAINING
         return protocol.Heartbeat(
-            seq=self.seq,
+            seq=seq,
             at=time.time(),
             step=step,
             loss=1.5 + 2.5 * math.exp(-step / 500),
@@ -121,68 +116,33 @@ class Node:
         return None
 
 
-async def converse(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> bool:
-    """One connection; True when the node should connect again."""
-    async with websockets.connect(url, open_timeout=10, ping_interval=20) as ws:
-        hello = protocol.Hello(job=job, node=node.name, token=token, devices=node.devices,
-                               agent="pitstop-sim")  # fmt: skip
-        await ws.send(protocol.encode(hello))
-        welcome = protocol.parse_server_frame(await ws.recv())
-        if isinstance(welcome, protocol.Error):
-            log.error("%s refused: [%s] %s", node.name, welcome.code, welcome.message)
-            return False
-        assert isinstance(welcome, protocol.Welcome)
-        log.info("%s connected to %s", node.name, url)
-        reader = asyncio.create_task(listen(node, ws))
-        try:
-            while not stop.is_set() and not node.stopped and not reader.done():
-                await ws.send(protocol.encode(node.heartbeat()))
-                jitter = random.uniform(-0.05, 0.05) * welcome.heartbeat_interval_s
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), welcome.heartbeat_interval_s + jitter)
-            if stop.is_set() or node.stopped:
-                await ws.send(protocol.encode(protocol.Goodbye(reason="simulation stopped")))
-                return False
-            return bool(reader.result())
-        finally:
-            reader.cancel()
-
-
-async def listen(node: Node, ws: Any) -> bool:
-    """Carry out and acknowledge the server's commands; False when it refused this node."""
-    async for text in ws:
-        try:
-            frame = protocol.parse_server_frame(text)
-        except protocol.ProtocolError as error:
-            log.warning("%s: a frame it cannot read: %s", node.name, error)
-            continue
-        if isinstance(frame, protocol.Error):
-            log.warning("%s: [%s] %s", node.name, frame.code, frame.message)
-            if frame.code in protocol.FATAL:
-                return False
-        elif isinstance(frame, protocol.Command):
-            began = time.monotonic()
-            ack = await node.carry_out(frame)
-            await ws.send(protocol.encode(ack))
-            log.info("%s: %s %s of decision %s in %.2f s", node.name, frame.action.value,
-                     "done" if ack.ok else "refused", frame.decision,
-                     time.monotonic() - began)  # fmt: skip
-            if node.stopped:
-                return False
-    return True  # the server closed the socket: connect again
-
-
 async def keep_connected(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> None:
-    backoff = 0.2
-    while not stop.is_set() and not node.stopped:
-        try:
-            if not await converse(node, url, job, token, stop):
-                return
-            backoff = 0.2
-        except (OSError, TimeoutError, websockets.WebSocketException) as exc:
-            log.info("%s: %s; again in %.1f s", node.name, exc.__class__.__name__, backoff)
-        await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-        backoff = min(backoff * 2, 5.0)
+    """The node's socket (``connection.Uplink``) until ``stop``, or a ``stop`` command."""
+    leave = asyncio.Event()  # the whole simulation stops, or this node was told to
+
+    async def on_command(frame: protocol.Command) -> None:
+        began = time.monotonic()
+        ack = await node.carry_out(frame)
+        uplink.ack(ack)
+        log.info("%s: %s %s of decision %s in %.2f s", node.name, frame.action.value,
+                 "done" if ack.ok else "refused", frame.decision,
+                 time.monotonic() - began)  # fmt: skip
+        if node.stopped:
+            leave.set()
+
+    uplink = Uplink(url, job=job, node=node.name, token=token, devices=node.devices,
+                    agent="pitstop-sim", heartbeat=node.heartbeat,
+                    on_command=on_command)  # fmt: skip
+
+    async def relay() -> None:
+        await stop.wait()
+        leave.set()
+
+    relayed = asyncio.create_task(relay())
+    try:
+        await uplink.run(leave)
+    finally:
+        relayed.cancel()
 
 
 def plan_checker(path: str) -> Callable[[dict[str, Any]], float | None]:

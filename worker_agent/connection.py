@@ -1,0 +1,210 @@
+"""One node's conversation with the control plane, kept up across reconnections.
+
+Shared by the agent (``worker_agent.agent``) and the simulated nodes (``worker_agent.sim``):
+``Uplink.run`` connects, says ``hello``, waits for ``welcome``, then sends a heartbeat every
+interval the welcome gives and hands every ``command`` to the node's handler; faults and
+acknowledgements are queued (``fault``, ``ack``) and sent as soon as a socket is up, those not
+yet sent when it drops are sent after the next ``hello`` (heartbeats are not kept: the next one
+says everything). A dropped socket, a refused connection or a restarted server is tried again
+with a jittered exponential back-off; when ``stop`` is set, what is queued is sent and the node
+says ``goodbye``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import websockets
+
+from worker_agent import protocol
+
+log = logging.getLogger("worker_agent.connection")
+
+# Faults and acknowledgements kept while the server is away; the oldest go first past this.
+MAX_QUEUED = 10_000
+FIRST_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class _QueuedFault:
+    kind: protocol.FaultKind
+    devices: tuple[int, ...]
+    at: float
+    step: int | None
+    message: str
+
+
+class Uplink:
+    """A node's socket to the control plane: heartbeats, queued faults and acks, commands.
+
+    ``heartbeat(seq)`` makes the node's next heartbeat; ``on_command`` is awaited for every
+    command frame, in order (a handler that takes long holds the next frames back: hand long
+    work to a task and ``ack`` when it is done).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str,
+        node: str,
+        token: str,
+        devices: Sequence[int],
+        agent: str,
+        heartbeat: Callable[[int], protocol.Heartbeat],
+        on_command: Callable[[protocol.Command], Awaitable[None]],
+    ) -> None:
+        self.url, self.job, self.node, self.token = url, job, node, token
+        self.devices, self.agent = list(devices), agent
+        self.heartbeat, self.on_command = heartbeat, on_command
+        self.seq = 0
+        self.connections = 0  # sockets that were welcomed
+        self.interval_s: float | None = None  # from the last welcome
+        self.refused: protocol.Error | None = None
+        self._queue: deque[_QueuedFault | protocol.Ack] = deque(maxlen=MAX_QUEUED)
+        self._wake = asyncio.Event()
+        self._ws: Any = None
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def fault(self, kind: protocol.FaultKind, devices: Sequence[int], *, step: int | None = None,
+              message: str = "", at: float | None = None) -> None:  # fmt: skip
+        """Report a fault now, or as soon as a socket is up (its ``at`` stays the time seen)."""
+        at = time.time() if at is None else at
+        self._queue.append(_QueuedFault(kind, tuple(devices), at, step, message[:2000]))
+        self._wake.set()
+
+    def ack(self, ack: protocol.Ack) -> None:
+        """Acknowledge a command now, or as soon as a socket is up."""
+        self._queue.append(ack)
+        self._wake.set()
+
+    def drop(self) -> bool:
+        """Close the socket abruptly, with no close frame (a drill: the server sees the node
+        lost, and the uplink connects again); False when there was no socket."""
+        ws = self._ws
+        if ws is None:
+            return False
+        ws.transport.abort()
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Stay connected until ``stop`` is set (then say goodbye) or the server refuses this
+        node for good (``refused`` says why)."""
+        backoff = FIRST_BACKOFF_S
+        while not stop.is_set():
+            try:
+                if not await self._converse(stop):
+                    return
+                backoff = FIRST_BACKOFF_S  # the server closed a working socket: at once again
+            except (OSError, TimeoutError, websockets.WebSocketException) as exc:
+                log.info("%s: %s; again in about %.1f s", self.node, exc.__class__.__name__,
+                         backoff)  # fmt: skip
+            except protocol.ProtocolError as exc:
+                log.warning("%s: the server's answer cannot be read: %s", self.node, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _converse(self, stop: asyncio.Event) -> bool:
+        """One connection; True when the node should connect again."""
+        async with websockets.connect(self.url, open_timeout=10, ping_interval=20) as ws:
+            hello = protocol.Hello(job=self.job, node=self.node, token=self.token,
+                                   devices=self.devices, agent=self.agent)  # fmt: skip
+            await ws.send(protocol.encode(hello))
+            welcome = protocol.parse_server_frame(await asyncio.wait_for(ws.recv(), 30))
+            if isinstance(welcome, protocol.Error):
+                log.error("%s refused: [%s] %s", self.node, welcome.code, welcome.message)
+                self.refused = welcome
+                return False
+            if not isinstance(welcome, protocol.Welcome):
+                raise protocol.ProtocolError(protocol.ErrorCode.OUT_OF_ORDER, "no welcome")
+            self.interval_s = welcome.heartbeat_interval_s
+            self.connections += 1
+            log.info("%s connected to %s", self.node, self.url)
+            self._ws = ws
+            reader = asyncio.create_task(self._listen(ws))
+            try:
+                next_beat = 0.0
+                while not stop.is_set() and not reader.done():
+                    await self._flush(ws)
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        self.seq += 1
+                        await ws.send(protocol.encode(self.heartbeat(self.seq)))
+                        jitter = random.uniform(-0.05, 0.05) * welcome.heartbeat_interval_s
+                        next_beat = now + welcome.heartbeat_interval_s + jitter
+                    self._wake.clear()
+                    if self._queue:
+                        continue
+                    await _first(stop, self._wake, reader, timeout=next_beat - time.monotonic())
+                if stop.is_set():
+                    await self._flush(ws)
+                    await ws.send(protocol.encode(protocol.Goodbye(reason="agent stopped")))
+                    return False
+                return bool(reader.result())
+            finally:
+                self._ws = None
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+
+    async def _flush(self, ws: Any) -> None:
+        """Send what is queued, oldest first; each leaves the queue once it was written."""
+        while self._queue:
+            item = self._queue[0]
+            if isinstance(item, protocol.Ack):
+                frame: protocol.Ack | protocol.Fault = item
+            else:
+                frame = protocol.Fault(seq=self.seq + 1, at=item.at, kind=item.kind,
+                                       devices=list(item.devices), step=item.step,
+                                       message=item.message)  # fmt: skip
+            await ws.send(protocol.encode(frame))
+            if isinstance(frame, protocol.Fault):
+                self.seq += 1
+            self._queue.popleft()
+
+    async def _listen(self, ws: Any) -> bool:
+        """Hand the server's commands over; False when it refused this node for good."""
+        async for text in ws:
+            try:
+                frame = protocol.parse_server_frame(text)
+            except protocol.ProtocolError as error:
+                log.warning("%s: a frame it cannot read: %s", self.node, error)
+                continue
+            if isinstance(frame, protocol.Error):
+                log.warning("%s: [%s] %s", self.node, frame.code, frame.message)
+                if frame.code in protocol.FATAL:
+                    self.refused = frame
+                    return False
+            elif isinstance(frame, protocol.Command):
+                await self.on_command(frame)
+        return True  # the server closed the socket: connect again
+
+
+async def _first(*events: asyncio.Event | asyncio.Task[Any], timeout: float) -> None:
+    """Wait until one of ``events`` is set (or a task done), at most ``timeout`` seconds."""
+    waiters = [
+        asyncio.ensure_future(e.wait()) if isinstance(e, asyncio.Event) else e for e in events
+    ]
+    try:
+        await asyncio.wait(waiters, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter, event in zip(waiters, events, strict=True):
+            if isinstance(event, asyncio.Event):
+                waiter.cancel()
