@@ -78,6 +78,12 @@ class DeviceSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class AgentTokenSerializer(serializers.Serializer):
+    node = serializers.CharField(
+        max_length=200, required=False, help_text="the one node the token speaks for"
+    )
+
+
 class WhatIfSerializer(serializers.Serializer):
     devices = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=1)
     kind = serializers.CharField(default="crash")

@@ -23,7 +23,7 @@ from rest_framework.response import Response
 
 from controlplane.api import errors
 from controlplane.api import serializers as s
-from controlplane.api.roles import CanOperate, CanRead, ReadOrAdminister
+from controlplane.api.roles import CanAdminister, CanOperate, CanRead, ReadOrAdminister
 from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions
 from controlplane.incidents.models import (
@@ -35,7 +35,7 @@ from controlplane.incidents.models import (
 )
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
-from controlplane.jobs.services import create_job
+from controlplane.jobs.services import create_job, issue_agent_token
 from controlplane.simulations import sweeps
 from controlplane.simulations.models import Sweep
 
@@ -140,6 +140,18 @@ class JobViewSet(
         job, token = create_job(**given.validated_data)
         shown = s.JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data
         return Response({"job": shown, "agent_token": token}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.AgentTokenSerializer, responses={201: dict})
+    @action(detail=True, methods=["post"], permission_classes=[CanAdminister])
+    def tokens(self, request: Request, pk: str | None = None) -> Response:
+        """Another agent token for the job, for one node (``node``) or any of its nodes; the
+        token is shown once."""
+        job = self.get_object()
+        given = s.AgentTokenSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        node = given.validated_data.get("node")
+        token = issue_agent_token(job, node=node)
+        return Response({"job": job.pk, "node": node, "agent_token": token}, status=201)
 
     @extend_schema(request=s.WhatIfSerializer, responses={200: dict})
     @action(detail=True, methods=["post"], url_path="what-if", permission_classes=[CanRead])

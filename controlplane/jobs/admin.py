@@ -36,9 +36,9 @@ class DeviceAdmin(admin.ModelAdmin):
 class AgentTokenAdmin(admin.ModelAdmin):
     """Tokens are issued with their job (the API shows the token once); here they are revoked."""
 
-    list_display = ("job", "created_at", "revoked_at")
-    list_select_related = ("job",)
-    readonly_fields = ("job", "digest", "created_at")
+    list_display = ("job", "node", "created_at", "revoked_at")
+    list_select_related = ("job", "node")
+    readonly_fields = ("job", "node", "digest", "created_at")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -124,21 +124,35 @@ def token_digest(token: str) -> str:
 
 
 class AgentToken(models.Model):
-    """What an agent presents in its hello; only the SHA-256 of the token is stored."""
+    """What an agent presents in its hello; only the SHA-256 of the token is stored.
+
+    A token speaks for its job's nodes, or, when it names a node, for that node only: a host
+    holding it cannot say hello, report faults or acknowledge commands as another node.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="agent_tokens")
+    node = models.ForeignKey(
+        Node,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="agent_tokens",
+        help_text="the one node this token speaks for; empty: any node of the job",
+    )
     digest = models.CharField(max_length=64, unique=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
-        return f"token of {self.job.name} ({self.digest[:8]}…)"
+        scope = self.job.name if self.node_id is None else f"{self.job.name}/{self.node}"
+        return f"token of {scope} ({self.digest[:8]}…)"
 
     @classmethod
-    def issue(cls, job: Job) -> tuple[AgentToken, str]:
-        """A new token for ``job``: the row, and the token itself, shown once and never stored."""
+    def issue(cls, job: Job, node: Node | None = None) -> tuple[AgentToken, str]:
+        """A new token for ``job`` (or one of its nodes): the row, and the token itself, shown
+        once and never stored."""
         token = secrets.token_urlsafe(32)
-        return cls.objects.create(job=job, digest=token_digest(token)), token
+        return cls.objects.create(job=job, node=node, digest=token_digest(token)), token
 
     @classmethod
     def find(cls, token: str, **filters: Any) -> AgentToken | None:

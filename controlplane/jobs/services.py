@@ -76,6 +76,18 @@ def create_job(
     return job, token
 
 
+def issue_agent_token(job: Job, *, node: str | None = None) -> str:
+    """Another agent token for ``job``, for any of its nodes or for the node named ``node``
+    only; the token is returned once and stored as a digest (``rows.InvalidScenario`` names
+    ``node`` when the job has no such node)."""
+    bound = None
+    if node is not None:
+        bound = Node.objects.filter(job=job, name=node).first()
+        if bound is None:
+            raise rows.InvalidScenario(f"job {job.name} has no node {node!r}", field="node")
+    return AgentToken.issue(job, bound)[1]
+
+
 def failed_devices(job: Job) -> set[int]:
     """The devices of ``job`` that are down now."""
     return set(

@@ -81,6 +81,10 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
         raise ProtocolError(
             ErrorCode.UNKNOWN_NODE, f"job {job.name} has no node {frame.node!r}", field="node"
         )
+    if token.node_id is not None and token.node_id != node.pk:
+        raise ProtocolError(
+            ErrorCode.UNAUTHORISED, "this token speaks for another node of the job", field="node"
+        )
     owned = set(Device.objects.filter(node=node).values_list("index", flat=True))
     foreign = sorted(set(frame.devices) - owned)
     if foreign:

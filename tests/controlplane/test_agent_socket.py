@@ -21,7 +21,7 @@ from controlplane.celery import app as celery_app
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs import detector, liveness
 from controlplane.jobs.models import Job, Node, NodeStatus
-from controlplane.jobs.services import create_job
+from controlplane.jobs.services import create_job, issue_agent_token
 from worker_agent import protocol
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
@@ -200,6 +200,21 @@ async def test_hello_is_checked_and_refusals_close_the_socket() -> None:
         assert (await said(socket))["code"] == code
         assert await closed_with(socket) == close
     assert not await database_sync_to_async(Failure.objects.exists)()
+
+
+async def test_a_node_token_speaks_for_its_node_only() -> None:
+    job, _ = await new_job()
+    node_token = await database_sync_to_async(issue_agent_token)(job, node="node-1")
+    socket = await connect()
+    await socket.send_to(hello(job, node_token, node="node-0"))
+    error = await said(socket)
+    assert (error["code"], error["field"]) == ("unauthorised", "node")
+    assert await closed_with(socket) == 4001
+    socket = await connect()
+    await socket.send_to(hello(job, node_token, node="node-1", devices=[4, 5, 6, 7]))
+    assert (await said(socket))["type"] == "welcome"
+    await socket.send_to(protocol.encode(protocol.Goodbye(reason="done")))
+    await socket.disconnect()
 
 
 async def test_a_second_connection_replaces_the_first_without_a_failure() -> None:

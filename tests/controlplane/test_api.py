@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, User
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import DecisionStatus, FailureSource, RecoveryDecision
-from controlplane.jobs.models import Job
+from controlplane.jobs.models import AgentToken, Job
 from controlplane.jobs.services import create_job
 from controlplane.recovery import policies
 
@@ -218,6 +219,29 @@ LISTS = (
     "/api/v1/recoveries/",
     "/api/v1/failures/",
 )
+
+
+@pytest.mark.parametrize(("role", "code"), [("viewer", 403), ("operator", 403), ("admin", 201)])
+def test_only_admins_issue_agent_tokens(role: str, code: int) -> None:
+    job = proposed().job
+    answer = post(client_as(role), f"/api/v1/jobs/{job.pk}/tokens/", {"node": "node-0"})
+    assert answer.status_code == code
+    if code == 201:
+        token = answer.json()["agent_token"]
+        assert AgentToken.find(token).node.name == "node-0"  # type: ignore[union-attr]
+        assert token not in str(AgentToken.objects.values_list())  # stored as a digest
+
+
+def test_a_token_for_an_unknown_node_is_refused_naming_the_field(capsys: Any) -> None:
+    job = proposed().job
+    answer = post(client_as("admin"), f"/api/v1/jobs/{job.pk}/tokens/", {"node": "node-9"})
+    assert (answer.status_code, answer.json()["field"]) == (400, "node")
+    with pytest.raises(CommandError, match="no node 'node-9'"):
+        call_command("issue_agent_token", job.name, "--node", "node-9")
+    call_command("issue_agent_token", job.name)
+    printed = capsys.readouterr().out.strip()
+    found = AgentToken.find(printed)
+    assert found is not None and found.job == job and found.node is None
 
 
 def test_nodes_and_devices_are_listed_by_job_and_filtered() -> None:
