@@ -5,6 +5,9 @@ embedded Redis are provided, when the environment leaves them unset, by the proc
 them (`controlplane.defaults`), before Django reads these settings.
 """
 
+import importlib.util
+from pathlib import Path
+
 import environ
 
 from controlplane import defaults, structured_logging
@@ -68,6 +71,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "controlplane.request_context.request_context",
     "django.middleware.security.SecurityMiddleware",
+    # static files (the dashboard's CSS and JS, plotly.js) from the ASGI app: daphne serves none
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -107,7 +112,22 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = DATA_DIR / "static"
+# WhiteNoise serves the files where the finders find them (the apps' static/ folders and
+# plotly's own bundle, below), so nothing has to be collected first. `manage.py collectstatic`
+# works where STATIC_ROOT is set, for a deployment that wants the files in one folder.
+STATIC_ROOT: str | None = env.str("STATIC_ROOT", default="") or None
+WHITENOISE_USE_FINDERS = True
+_PLOTLY = importlib.util.find_spec("plotly")  # found, not imported
+STATICFILES_DIRS = (
+    [("vendor/plotly", Path(_PLOTLY.origin).parent / "package_data")]
+    if _PLOTLY is not None and _PLOTLY.origin is not None
+    else []
+)
+
+# The dashboard's login (Django's auth views, webui templates).
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "webui:index"
+LOGOUT_REDIRECT_URL = "login"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 CHANNEL_LAYERS = {

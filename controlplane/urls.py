@@ -1,6 +1,7 @@
-"""Top-level URL routes: health check, REST API with its OpenAPI schema, admin, web UI."""
+"""Top-level URL routes: health check, REST API with its OpenAPI schema, admin, login, web UI."""
 
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from controlplane.health import healthz
@@ -11,5 +12,7 @@ urlpatterns = [
     path("metrics", metrics, name="metrics"),
     path("api/", include("controlplane.api.urls")),
     path("admin/", admin.site.urls),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("webui.urls")),
 ]
