@@ -1,4 +1,4 @@
-"""Routes of the web UI."""
+"""Routes of the web UI (the dashboard); the login pages are in controlplane/urls.py."""
 
 from django.urls import path
 
@@ -8,4 +8,12 @@ app_name = "webui"
 
 urlpatterns = [
     path("", views.index, name="index"),
+    path("jobs/", views.jobs, name="jobs"),
+    path("jobs/<int:pk>/", views.job_detail, name="job"),
+    path("jobs/<int:pk>/what-if/", views.what_if, name="what_if"),
+    path("recoveries/<int:pk>/", views.recovery_detail, name="recovery"),
+    path("recoveries/<int:pk>/approve/", views.recovery_approve, name="approve"),
+    path("recoveries/<int:pk>/override/", views.recovery_override, name="override"),
+    path("simulations/", views.simulations, name="simulations"),
+    path("simulations/<int:pk>/", views.simulation_detail, name="simulation"),
 ]

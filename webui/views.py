@@ -1,9 +1,449 @@
-"""Dashboard pages."""
+"""Dashboard pages: jobs, a job live, a recovery (approve, override), what-if, simulations.
 
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+Every page needs a role (``controlplane.api.roles``): viewers read, operators also approve,
+override and start simulations. Actions call the same services as the REST API; the forms
+carry Django's CSRF token.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib.auth.views import redirect_to_login
+from django.db.models.fields.json import KT
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+from redis.exceptions import RedisError
+
+from controlplane.api.roles import Role, role_of
+from controlplane.api.views import phases
+from controlplane.bridge import rows
+from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
+from controlplane.incidents import decisions
+from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.jobs import liveness, snapshot
+from controlplane.jobs.models import Device, Job, JobStatus, Node, heavy
+from controlplane.simulations import sweeps
+from controlplane.simulations.models import Sweep
+from webui import data
+
+View = Callable[..., HttpResponse]
+
+
+def role(request: HttpRequest) -> Role:
+    """The user's role, read once a request."""
+    if not hasattr(request, "_pitstop_role"):
+        request._pitstop_role = role_of(request.user)  # type: ignore[attr-defined]
+    found: Role = request._pitstop_role  # type: ignore[attr-defined]
+    return found
+
+
+def needs(minimum: Role) -> Callable[[View], View]:
+    """A page for users with at least ``minimum``: others log in, or are refused (403)."""
+
+    def decorate(view: View) -> View:
+        @wraps(view)
+        def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if not request.user.is_authenticated:
+                return redirect_to_login(request.get_full_path())
+            if role(request) < minimum:
+                return HttpResponseForbidden(
+                    render(request, "webui/forbidden.html", {"needed": minimum.name.lower()})
+                )
+            return view(request, *args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+def page(
+    request: HttpRequest, template: str, context: dict[str, Any], status: int = 200
+) -> HttpResponse:
+    context.setdefault("can_operate", role(request) >= Role.OPERATOR)
+    context["role_name"] = role(request).name.lower()
+    return render(request, template, context, status=status)
+
+
+# --- jobs ----------------------------------------------------------------------------------
 
 
 def index(request: HttpRequest) -> HttpResponse:
-    """Landing page: what runs here and where to look next."""
+    """The jobs list for a user with a role; the landing page otherwise."""
+    if request.user.is_authenticated and role(request) >= Role.VIEWER:
+        return jobs(request)
     return render(request, "webui/index.html")
+
+
+def _live(job_ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Each running job's live snapshot (half a second old at most), or none without Redis."""
+    try:
+        client = liveness.sync_client()
+        return {pk: snapshot.latest(client, pk) for pk in job_ids}
+    except RedisError:
+        return {}
+
+
+@needs(Role.VIEWER)
+def jobs(request: HttpRequest) -> HttpResponse:
+    found = list(data.jobs_overview())
+    live = _live([j.pk for j in found if j.status in (JobStatus.RUNNING, JobStatus.RECOVERING)])
+    for job in found:
+        job.live = live.get(job.pk, {})  # type: ignore[attr-defined]
+    return page(request, "webui/jobs.html", {"jobs": found})
+
+
+def _job(pk: int) -> Job:
+    return get_object_or_404(Job.objects.defer("scenario"), pk=pk)
+
+
+@needs(Role.VIEWER)
+def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    job = _job(pk)
+    grid = data.grid(job)
+    recent = list(
+        RecoveryDecision.objects.filter(job=job)
+        .select_related("failure")
+        .defer("decision", "plan")
+        .order_by("-created_at", "-pk")[:20]
+    )
+    markers = [
+        {
+            "at": d.failure.detected_at.isoformat(),
+            "label": f"#{d.pk} {d.failure.kind}",
+            "decision": d.pk,
+        }
+        for d in recent
+    ]
+    config = {
+        "job": job.pk,
+        "socket": f"/ws/dashboard/jobs/{job.pk}/",
+        "interval_s": liveness.HEARTBEAT_INTERVAL_S,
+        "markers": markers,
+        "recovery_url": reverse("webui:recovery", args=[0]),
+        **grid,
+    }
+    return page(
+        request,
+        "webui/job.html",
+        {
+            "job": job,
+            "config": config,
+            "counts": data.device_counts(grid["states"]),
+            "nodes": len(grid["nodes"]),
+            "recent": recent,
+            "open": next((d for d in recent if d.status in data.OPEN_STATUSES), None),
+            "plan": data.plan_rows(job.plan),
+        },
+    )
+
+
+# --- recoveries ----------------------------------------------------------------------------
+
+
+def _recovery(pk: int) -> RecoveryDecision:
+    found: RecoveryDecision = get_object_or_404(
+        RecoveryDecision.objects.select_related("failure", "chosen_by", "job")
+        .defer(*heavy("job"))
+        .annotate(
+            capacity=KT("job__scenario__cluster__device_memory_bytes"),
+            global_batch=KT("job__scenario__training__global_batch"),
+        ),
+        pk=pk,
+    )
+    return found
+
+
+def _number(text: Any) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
+    candidates = data.candidate_rows(
+        decision.decision,
+        chosen=decision.chosen,
+        capacity=_number(getattr(decision, "capacity", None)),
+        global_batch=_number(getattr(decision, "global_batch", None)),
+    )
+    events = list(decision.events.order_by("at", "pk"))
+    shown = [
+        {
+            **p,
+            "start": p["start"] and p["start"].isoformat(),
+            "end": p["end"] and p["end"].isoformat(),
+        }
+        for p in phases(decision, events)
+    ]
+    proposal = decision.plan
+    if decision.decision and decision.decision.get("chosen") is not None:
+        proposal = decision.decision["candidates"][decision.decision["chosen"]]["plan"]
+    return {
+        "decision": decision,
+        "job": decision.job,
+        "failure": decision.failure,
+        "candidates": candidates,
+        "why": data.why(candidates, decision),
+        "events": events,
+        "phases": shown,
+        "plan": data.plan_rows(decision.plan),
+        "open": decision.status == DecisionStatus.PROPOSED,
+        "plan_text": json.dumps(proposal, indent=1) if proposal else "",
+        "api": f"/api/v1/recoveries/{decision.pk}/timeline/",
+    }
+
+
+@needs(Role.VIEWER)
+def recovery_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    return page(request, "webui/recovery.html", recovery_context(_recovery(pk)))
+
+
+@require_POST
+@needs(Role.OPERATOR)
+def recovery_approve(request: HttpRequest, pk: int) -> HttpResponse:
+    decision = _recovery(pk)
+    try:
+        decisions.approve(decision.pk, user=request.user, reason=request.POST.get("reason", ""))  # type: ignore[arg-type]
+    except decisions.IllegalTransition as exc:
+        context = {**recovery_context(_recovery(pk)), "action_error": str(exc)}
+        return page(request, "webui/recovery.html", context, status=409)
+    return redirect("webui:recovery", pk=pk)
+
+
+@require_POST
+@needs(Role.OPERATOR)
+def recovery_override(request: HttpRequest, pk: int) -> HttpResponse:
+    """Another candidate (``candidate``) or an edited plan (``plan``, JSON); the core's errors
+    are shown beside the field they name."""
+    decision = _recovery(pk)
+    given = request.POST
+    reason = given.get("reason", "")
+    candidate: int | None = None
+    edited: Any = None
+    error: dict[str, str] | None = None
+    if given.get("use") == "plan":
+        try:
+            edited = json.loads(given.get("plan", ""))
+        except json.JSONDecodeError as exc:
+            error = {"field": "plan", "message": f"not JSON: {exc}", "code": "invalid_json"}
+    elif given.get("candidate", "").isdigit():
+        candidate = int(given["candidate"])
+    else:
+        error = {"field": "candidate", "message": "pick a candidate", "code": "required"}
+    status = 400
+    if error is None:
+        try:
+            decisions.override(
+                decision.pk,
+                user=request.user,  # type: ignore[arg-type]
+                candidate=candidate,
+                edited_plan=edited,
+                reason=reason,
+            )
+            return redirect("webui:recovery", pk=pk)
+        except rows.RecoveryError as exc:
+            message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+            error = {"field": exc.field or "plan", "message": message, "code": exc.code}
+        except decisions.IllegalTransition as exc:
+            error, status = {"field": "", "message": str(exc), "code": exc.code}, 409
+    context = recovery_context(_recovery(pk))
+    context.update(override_error=error, reason=reason, use=given.get("use", "candidate"))
+    if edited is not None or given.get("use") == "plan":
+        context["plan_text"] = given.get("plan", "")
+    return page(request, "webui/recovery.html", context, status=status)
+
+
+# --- what-if -------------------------------------------------------------------------------
+
+
+def _devices(text: str) -> list[int]:
+    """``"4, 5, 8-11"`` as device ids; ``ValueError`` names what it could not read."""
+    found: list[int] = []
+    for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a device id or a range like 4-7")
+        found.extend(range(int(first), int(last or first) + 1))
+    return found
+
+
+@needs(Role.VIEWER)
+def what_if(request: HttpRequest, pk: int) -> HttpResponse:
+    """Fail devices, a node, or an uploaded scenario's failed devices, on paper: what every
+    enabled policy would do. Nothing is written."""
+    job = get_object_or_404(Job.objects.defer(*heavy()), pk=pk)
+    nodes = list(Node.objects.filter(job=job).order_by("index").values_list("index", "name"))
+    context: dict[str, Any] = {
+        "job": job,
+        "nodes": nodes,
+        "kinds": [k.value for k in FailureKind],
+        "given": request.POST,
+    }
+    if request.method == "POST":
+        answer, error = _what_if(request, job)
+        if error is not None:
+            context["error"] = error
+        else:
+            assert answer is not None
+            context["answer"] = answer["answer"]
+            context["source"] = answer["source"]
+            context["candidates"] = data.candidate_rows(
+                answer["answer"],
+                chosen=answer["answer"]["chosen"],
+                capacity=answer["capacity"],
+                global_batch=answer["global_batch"],
+            )
+            context["why"] = data.why(context["candidates"])
+    return page(request, "webui/what_if.html", context, status=400 if "error" in context else 200)
+
+
+def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    kind = request.POST.get("kind", "crash")
+    upload = request.FILES.get("scenario")
+    try:
+        if upload is not None:
+            try:
+                scenario = json.loads(upload.read())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                return None, {"field": "scenario", "message": f"not a JSON scenario: {exc}"}
+            failed = scenario.get("failed") if isinstance(scenario, dict) else None
+            if not failed:
+                return None, {"field": "failed", "message": "the scenario fails no device"}
+            answer = rows.decide_for(
+                scenario, scenario.get("plan"), set(failed), kind=kind, devices=list(failed),
+                policies=list(job.enabled_policies),
+            )  # fmt: skip
+            cluster, training = scenario["cluster"], scenario["training"]
+            return {
+                "answer": answer,
+                "source": f"the uploaded scenario {upload.name}, devices {sorted(failed)}",
+                "capacity": _number(cluster.get("device_memory_bytes")),
+                "global_batch": _number(training.get("global_batch")),
+            }, None
+        node = request.POST.get("node", "")
+        if node.isdigit():
+            devices = list(
+                Device.objects.filter(job=job, node__index=int(node)).values_list(
+                    "index", flat=True
+                )
+            )
+        else:
+            try:
+                devices = _devices(request.POST.get("devices", ""))
+            except ValueError as exc:
+                return None, {"field": "devices", "message": str(exc)}
+        answer = decisions.what_if(Job.objects.get(pk=job.pk), devices=devices, kind=kind)
+    except rows.RecoveryError as exc:
+        return None, {"field": exc.field or "devices", "message": str(exc)}
+    facts = Job.objects.filter(pk=job.pk).values_list(
+        KT("scenario__cluster__device_memory_bytes"), KT("scenario__training__global_batch")
+    )[0]
+    return {
+        "answer": answer,
+        "source": f"{kind} of devices {devices}",
+        "capacity": _number(facts[0]),
+        "global_batch": _number(facts[1]),
+    }, None
+
+
+# --- simulations ---------------------------------------------------------------------------
+
+
+@needs(Role.VIEWER)
+def simulations(request: HttpRequest) -> HttpResponse:
+    """Past sweeps, and (for operators) a form that starts one as Celery tasks."""
+    context: dict[str, Any] = {"given": request.POST}
+    status = 200
+    if request.method == "POST":
+        if role(request) < Role.OPERATOR:
+            return HttpResponseForbidden("starting a simulation needs the operator role")
+        started, error = _start_sweep(request)
+        if started is not None:
+            return redirect("webui:simulation", pk=started.pk)
+        context["error"], status = error, 400
+    context.update(
+        sweeps=Sweep.objects.select_related("job")
+        .defer("scenario", "summary", *heavy("job"))
+        .order_by("-created_at", "-pk")[:50],
+        jobs=Job.objects.defer(*heavy()).order_by("-created_at").values_list("pk", "name"),
+        policies=describe_policies(),
+        chosen=request.POST.getlist("policies") or ["odyssey", "dynamic", "checkpoint"],
+    )
+    return page(request, "webui/simulations.html", context, status=status)
+
+
+def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | None]:
+    given = request.POST
+    job = Job.objects.filter(pk=given.get("job") or 0).first()
+    if job is None:
+        return None, {"field": "job", "message": "pick a job whose scenario to simulate"}
+    scenario = copy.deepcopy(job.scenario)
+    numbers: dict[str, float] = {}
+    for name, default in (("hours", 9), ("seeds", 1), ("base_seed", 0), ("rate", 0.05),
+                          ("repair_hours", 1)):  # fmt: skip
+        try:
+            numbers[name] = float(given.get(name) or default)
+        except ValueError:
+            return None, {"field": name, "message": f"expected a number, got {given.get(name)!r}"}
+    trace: dict[str, Any] = {
+        "failure_rate_per_device_hour": numbers["rate"],
+        "repair_hours": numbers["repair_hours"],
+    }
+    if given.get("trace", "").strip():
+        try:
+            extra = json.loads(given["trace"])
+        except json.JSONDecodeError as exc:
+            return None, {"field": "trace", "message": f"not JSON: {exc}"}
+        if not isinstance(extra, dict):
+            return None, {"field": "trace", "message": "expected a JSON object of trace fields"}
+        trace.update(extra)
+    if given.get("spares", "").strip():
+        if not given["spares"].strip().isdigit():
+            return None, {"field": "spares", "message": "expected a whole number of spares"}
+        scenario["cluster"]["spares"] = int(given["spares"])
+    experiment = {
+        "hours": numbers["hours"],
+        "policies": given.getlist("policies"),
+        "seeds": int(numbers["seeds"]),
+        "base_seed": int(numbers["base_seed"]),
+        "trace": trace,
+    }
+    try:
+        sweep = sweeps.start(
+            scenario=scenario,
+            experiment=experiment,
+            name=given.get("name", "")[:200],
+            job=job,
+            user=request.user,
+        )
+    except rows.RecoveryError as exc:
+        message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        return None, {"field": exc.field or "", "message": message}
+    return sweep, None
+
+
+@needs(Role.VIEWER)
+def simulation_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    sweep = get_object_or_404(Sweep.objects.defer("scenario"), pk=pk)
+    colours = {str(cause): colour for cause, colour in COLOURS.items()}
+    return page(
+        request,
+        "webui/simulation.html",
+        {
+            "sweep": sweep,
+            "config": {
+                "api": f"/api/v1/simulations/{sweep.pk}/",
+                "summary": sweep.summary,
+                "status": sweep.status,
+                "colours": colours,
+            },
+        },
+    )

@@ -1,0 +1,228 @@
+"""What the dashboard pages show, read in a fixed number of queries whatever the job's size.
+
+Every function here reads; the pages' actions go through the apps' services
+(``controlplane.incidents.decisions``, ``controlplane.simulations.sweeps``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from django.db.models import (
+    Case,
+    CharField,
+    Count,
+    Exists,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
+from django.db.models.fields.json import KT
+
+from controlplane.incidents.models import OPEN, DecisionStatus, RecoveryDecision
+from controlplane.jobs.models import Device, DeviceState, Job, Node, heavy
+
+# One letter a device in the grid's state strings (the browser's job.js reads the same).
+STATE_LETTER: dict[str, str] = {
+    DeviceState.HEALTHY: "h",
+    DeviceState.SUSPECT: "s",
+    DeviceState.FAILED: "f",
+    DeviceState.SPARE: "p",
+    DeviceState.RECOVERING: "r",
+}
+# Statuses in which a decision's plan is, or is becoming, the one the job runs.
+CHOSEN = (
+    DecisionStatus.APPROVED,
+    DecisionStatus.OVERRIDDEN,
+    DecisionStatus.AUTO_APPLIED,
+    DecisionStatus.APPLYING,
+    DecisionStatus.RECOVERED,
+)
+OPEN_STATUSES = frozenset(OPEN)
+# A decision has one candidate per policy asked; the registry has fewer than this.
+MAX_CANDIDATES = 16
+
+
+def _chosen_policy() -> Case:
+    """The policy of a decision's chosen candidate, read inside the database (no candidate's
+    plan, megabytes at scale, leaves it); "edited plan" for an operator's own plan."""
+    return Case(
+        *(
+            When(chosen=i, then=KT(f"decision__candidates__{i}__policy"))
+            for i in range(MAX_CANDIDATES)
+        ),
+        default=Value("edited plan"),
+        output_field=CharField(),
+    )
+
+
+def jobs_overview() -> QuerySet[Job]:
+    """Every job with its devices by state, its current policy and its open decision, in one
+    query."""
+    counts = {
+        f"devices_{state}": Count("devices", filter=Q(devices__state=state))
+        for state in DeviceState.values
+    }
+    decisions = RecoveryDecision.objects.filter(job=OuterRef("pk"))
+    current = decisions.filter(status__in=CHOSEN).order_by("-created_at", "-pk")
+    open_ = decisions.filter(status__in=OPEN).order_by("-created_at", "-pk")
+    return (
+        Job.objects.defer(*heavy())
+        .annotate(
+            **counts,
+            policy=Subquery(current.annotate(policy=_chosen_policy()).values("policy")[:1]),
+            open_decision=Subquery(open_.values("pk")[:1]),
+            open_status=Subquery(open_.values("status")[:1]),
+            needs_approval=Exists(decisions.filter(status=DecisionStatus.PROPOSED)),
+        )
+        .order_by("-needs_approval", "-created_at")
+    )
+
+
+def grid(job: Job) -> dict[str, Any]:
+    """The device grid's layout and states: nodes as (name, first device, device count, status)
+    in index order, and every device's state as one letter (``STATE_LETTER``)."""
+    nodes = list(
+        Node.objects.filter(job=job)
+        .annotate(count=Count("devices"))
+        .order_by("index")
+        .values_list("name", "count", "status")
+    )
+    firsts = itertools.accumulate((count for _, count, _ in nodes), initial=0)
+    states = Device.objects.filter(job=job).order_by("index").values_list("state", flat=True)
+    return {
+        "nodes": [
+            [name, first, count, status]
+            for (name, count, status), first in zip(nodes, firsts, strict=False)
+        ],
+        "states": "".join(STATE_LETTER.get(s, "h") for s in states),
+    }
+
+
+def device_counts(states: str) -> dict[str, int]:
+    letters = {letter: state for state, letter in STATE_LETTER.items()}
+    counts = dict.fromkeys(DeviceState.values, 0)
+    for letter in states:
+        counts[letters[letter]] += 1
+    return counts
+
+
+def plan_rows(plan: Any, limit: int = 64) -> dict[str, Any]:
+    """The plan as pipelines × stages, each stage its layer range and devices (the first
+    ``limit`` pipelines; the rest are counted)."""
+    pipelines = list((plan or {}).get("pipelines", []))
+    rows = [
+        {
+            "micro_batches": pipeline.get("micro_batches"),
+            "stages": [
+                {
+                    "layers": stage["layers"],
+                    "devices": _short(stage["devices"]),
+                    "rerouted": bool(stage.get("rerouted")),
+                }
+                for stage in pipeline["stages"]
+            ],
+        }
+        for pipeline in pipelines[:limit]
+    ]
+    width = max((len(r["stages"]) for r in rows), default=0)
+    return {
+        "rows": rows,
+        "width": range(width),
+        "more": max(len(pipelines) - limit, 0),
+        "pipelines": len(pipelines),
+        "family": (plan or {}).get("family", ""),
+    }
+
+
+def _short(devices: list[int], shown: int = 8) -> str:
+    text = ", ".join(map(str, devices[:shown]))
+    return text + (f" … (+{len(devices) - shown})" if len(devices) > shown else "")
+
+
+def candidate_rows(
+    answer: dict[str, Any] | None,
+    *,
+    chosen: int | None,
+    capacity: float | None,
+    global_batch: float | None,
+) -> list[dict[str, Any]]:
+    """Every candidate of a decision (the codec's dict), side by side: its policy, estimated
+    step time, throughput and share of the fastest, transition cost by part, peak memory
+    against the device capacity, objective, code and note; which one is chosen and which the
+    core proposed."""
+    if not answer:
+        return []
+    candidates = answer["candidates"]
+    rates = [
+        global_batch / c["est_step_time_s"]
+        if global_batch and c.get("est_step_time_s") and c["code"] == "ok"
+        else None
+        for c in candidates
+    ]
+    fastest = max((r for r in rates if r is not None), default=None)
+    rows = []
+    for i, (c, rate) in enumerate(zip(candidates, rates, strict=True)):
+        memory = c.get("peak_memory_bytes") or {}
+        device, peak = max(memory.items(), key=lambda kv: kv[1], default=(None, None))
+        rows.append(
+            {
+                "index": i,
+                "policy": c["policy"],
+                "option": c.get("option"),
+                "ok": c["code"] == "ok",
+                "code": c["code"],
+                "note": c.get("note", ""),
+                "caveats": c.get("caveats", []),
+                "step_time_s": c.get("est_step_time_s"),
+                "throughput": rate,
+                "share": rate / fastest if rate and fastest else None,
+                "transition": c.get("transition") or {},
+                "peak_bytes": peak,
+                "peak_device": device,
+                "capacity": capacity,
+                "memory_share": peak / capacity if peak and capacity else None,
+                "objective": c.get("objective"),
+                "chosen": i == chosen,
+                "proposed": i == answer.get("chosen"),
+            }
+        )
+    return rows
+
+
+def why(rows: list[dict[str, Any]], decision: RecoveryDecision | None = None) -> str:
+    """In a sentence, why the marked candidate is the one."""
+    chose = decision is not None and decision.chosen_by_id is not None
+    if chose and decision is not None and overridden(decision):
+        who = decision.chosen_by.get_username() if decision.chosen_by else "an operator"
+        what = "an edited plan" if decision.chosen is None else "this candidate"
+        return f"{who} overrode the proposal with {what}: {decision.reason or 'no reason given'}"
+    proposed = next((r for r in rows if r["proposed"]), None)
+    if proposed is None:
+        return "No candidate applies: every policy declined (codes below)."
+    others = sorted(
+        (r for r in rows if r["ok"] and not r["proposed"]),
+        key=lambda r: -(r["objective"] or 0),
+    )
+    text = (
+        f"{proposed['policy']} has the highest objective (eq. 8: throughput over the expected "
+        f"time to the next fault), {proposed['objective']:.4g}"
+    )
+    if others:
+        text += f", ahead of {others[0]['policy']} at {others[0]['objective']:.4g}"
+    if proposed["note"]:
+        text += f". {proposed['note']}"
+    if chose and decision is not None:
+        who = decision.chosen_by.get_username() if decision.chosen_by else "an operator"
+        text += f". Approved by {who}" + (f": {decision.reason}" if decision.reason else "")
+    return text + "."
+
+
+def overridden(decision: RecoveryDecision) -> bool:
+    """Whether an operator applied something other than the core's proposal."""
+    proposal = (decision.decision or {}).get("chosen")
+    return decision.chosen_by_id is not None and decision.chosen != proposal

@@ -1,0 +1,192 @@
+// A job, live: the device grid on a canvas, charts of loss, throughput and step time, and a
+// banner for the open decision, all from /ws/dashboard/jobs/<id>/ (controlplane/streaming/dashboard.py).
+"use strict";
+(function () {
+  const config = JSON.parse(document.getElementById("job-config").textContent);
+  const COLOURS = { h: "#59a14f", s: "#edc948", f: "#e15759", p: "#9aa5b8", r: "#4e79a7" };
+  const NAMES = { h: "healthy", s: "suspect", f: "failed", p: "spare", r: "recovering" };
+  const HISTORY = 600; // points per chart: five minutes at two a second
+  const canvas = document.getElementById("grid");
+  const info = document.getElementById("grid-info");
+  let stored = config.states; // the database's states, one letter a device
+  let beats = ""; // the heartbeats' states, "." where none
+  let cursor = 0;
+  let layout = null;
+
+  // The state shown: a failure or a spare is the database's word; a heartbeat tells the rest.
+  function stateOf(i) {
+    const db = stored[i], beat = beats[i] || ".";
+    if (db === "f" || beat === "f") return "f";
+    if (beat === "r") return "r";
+    if (db === "p" || beat === "." ) return db;
+    return beat === "s" ? "s" : db;
+  }
+
+  // Nodes are blocks of cells side by side, wrapped into rows that fit the page's width.
+  function computeLayout() {
+    const perNode = Math.max(1, ...config.nodes.map((n) => n[2]));
+    const width = canvas.parentElement.clientWidth - 2;
+    const devices = stored.length;
+    const cell = Math.max(4, Math.min(28, Math.floor(Math.sqrt((width * 520) / Math.max(devices, 1)))));
+    const nodeWidth = perNode * cell + 3;
+    const perRow = Math.max(1, Math.floor(width / nodeWidth));
+    const rows = Math.ceil(config.nodes.length / perRow);
+    layout = { cell, perNode, nodeWidth, perRow };
+    canvas.width = Math.min(width, perRow * nodeWidth);
+    canvas.height = rows * (cell + 3);
+  }
+
+  function where(device) {
+    const node = config.nodes.findIndex((n) => device >= n[1] && device < n[1] + n[2]);
+    const slot = device - config.nodes[node][1];
+    return {
+      node,
+      x: (node % layout.perRow) * layout.nodeWidth + slot * layout.cell,
+      y: Math.floor(node / layout.perRow) * (layout.cell + 3),
+    };
+  }
+
+  function draw() {
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const { cell, perRow, nodeWidth } = layout;
+    const gap = cell > 6 ? 1 : 0;
+    const counts = { h: 0, s: 0, f: 0, p: 0, r: 0 };
+    config.nodes.forEach(([, first, count], node) => {
+      const x0 = (node % perRow) * nodeWidth, y0 = Math.floor(node / perRow) * (cell + 3);
+      for (let k = 0; k < count; k++) {
+        const state = stateOf(first + k);
+        counts[state] += 1;
+        ctx.fillStyle = COLOURS[state];
+        ctx.fillRect(x0 + k * cell, y0, cell - gap, cell - gap);
+      }
+    });
+    if (document.activeElement === canvas && stored.length) {
+      const at = where(cursor);
+      ctx.strokeStyle = "#1d2330";
+      ctx.lineWidth = 2;
+      ctx.strokeRect(at.x + 1, at.y + 1, cell - 2, cell - 2);
+    }
+    for (const letter in counts) {
+      const shown = document.querySelector(`[data-count="${NAMES[letter]}"]`);
+      if (shown) shown.textContent = counts[letter];
+    }
+  }
+
+  function describe(device) {
+    const node = config.nodes.find((n) => device >= n[1] && device < n[1] + n[2]);
+    info.textContent = `Device ${device} on ${node ? node[0] : "?"}: ${NAMES[stateOf(device)]}`;
+  }
+
+  canvas.addEventListener("mousemove", (event) => {
+    const box = canvas.getBoundingClientRect();
+    const x = event.clientX - box.left, y = event.clientY - box.top;
+    const node = Math.floor(y / (layout.cell + 3)) * layout.perRow + Math.floor(x / layout.nodeWidth);
+    const slot = Math.floor((x % layout.nodeWidth) / layout.cell);
+    if (node < config.nodes.length && slot < config.nodes[node][2]) describe(config.nodes[node][1] + slot);
+  });
+  canvas.addEventListener("keydown", (event) => {
+    const steps = { ArrowRight: 1, ArrowLeft: -1, ArrowDown: layout.perNode * layout.perRow, ArrowUp: -layout.perNode * layout.perRow };
+    if (!(event.key in steps)) return;
+    event.preventDefault();
+    cursor = Math.min(stored.length - 1, Math.max(0, cursor + steps[event.key]));
+    describe(cursor);
+    draw();
+  });
+  canvas.addEventListener("focus", () => { describe(cursor); draw(); });
+  canvas.addEventListener("blur", draw);
+  window.addEventListener("resize", () => { computeLayout(); draw(); });
+
+  // --- charts -----------------------------------------------------------------------------
+  const series = { t: [], loss: [], rate: [], time: [] };
+  const markers = config.markers.slice();
+  const charts = [
+    ["chart-loss", "loss", "Loss", ""],
+    ["chart-rate", "rate", "Throughput", "samples/s"],
+    ["chart-time", "time", "Step time", "s"],
+  ];
+
+  function markerShapes() {
+    const first = series.t[0];
+    return markers.filter((m) => !first || new Date(m.at) >= new Date(first)).map((m) => ({
+      type: "line", xref: "x", yref: "paper", x0: m.at, x1: m.at, y0: 0, y1: 1,
+      line: { color: "#e15759", width: 1.5, dash: "dot" },
+    }));
+  }
+
+  function plot() {
+    if (!window.Plotly) return;
+    const shapes = markerShapes();
+    for (const [id, key, title, unit] of charts) {
+      Plotly.react(id, [{ x: series.t, y: series[key], mode: "lines", line: { color: "#2457c5" }, name: title }], {
+        title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
+        xaxis: { type: "date" }, yaxis: { title: { text: unit } }, shapes, showlegend: false,
+      }, { displayModeBar: false, responsive: true });
+    }
+  }
+
+  function text(id, value, digits, unit) {
+    document.getElementById(id).textContent = value === null || value === undefined ? "—" : `${Number(value).toFixed(digits)}${unit}`;
+  }
+
+  function onLive(m) {
+    beats = m.beats;
+    text("stat-step", m.step, 0, "");
+    text("stat-loss", m.loss, 4, "");
+    text("stat-rate", m.samples_per_s, 2, " samples/s");
+    text("stat-time", m.step_time_s, 3, " s");
+    text("stat-nodes", m.nodes_connected, 0, "");
+    if (m.step !== null && m.step !== undefined) {
+      series.t.push(new Date(m.at * 1000).toISOString());
+      series.loss.push(m.loss);
+      series.rate.push(m.samples_per_s);
+      series.time.push(m.step_time_s);
+      for (const key in series) if (series[key].length > HISTORY) series[key].shift();
+      plot();
+    }
+    draw();
+  }
+
+  function onDevices(m) {
+    const resized = m.states.length !== stored.length;
+    stored = m.states;
+    if (resized) computeLayout();
+    const status = document.getElementById("job-status");
+    status.textContent = m.job_status;
+    status.className = `badge ${m.job_status}`;
+    const d = m.decision, banner = document.getElementById("banner");
+    if (d && !markers.some((x) => x.decision === d.id)) markers.push({ at: d.detected_at, label: `#${d.id} ${d.kind}`, decision: d.id });
+    const open = d && !["recovered", "failed", "superseded"].includes(d.status);
+    banner.classList.toggle("hidden", !open);
+    if (open) {
+      const link = config.recovery_url.replace("/0/", `/${d.id}/`);
+      banner.innerHTML = "";
+      banner.append("Decision ");
+      const a = document.createElement("a");
+      a.href = link;
+      a.textContent = `#${d.id}`;
+      banner.append(a, ` is ${d.status}${d.status === "proposed" ? ": it needs approval" : ""} (${d.kind}).`);
+    }
+    draw();
+    plot();
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}${config.socket}`);
+    const state = document.getElementById("live-state");
+    socket.onopen = () => { state.textContent = "connected"; };
+    socket.onmessage = (event) => {
+      const m = JSON.parse(event.data);
+      if (m.type === "live") onLive(m);
+      else if (m.type === "devices") onDevices(m);
+      else if (m.type === "error") state.textContent = m.message;
+    };
+    socket.onclose = () => { state.textContent = "disconnected, retrying…"; setTimeout(connect, 2000); };
+  }
+
+  computeLayout();
+  draw();
+  plot();
+  connect();
+})();
