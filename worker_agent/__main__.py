@@ -1,24 +1,32 @@
-"""``python -m worker_agent COMMAND``: ``simulate`` plays nodes that speak the real protocol
-without trainers (worker_agent/sim.py); the agent beside real trainers comes with ``run``."""
+"""``python -m worker_agent COMMAND``: ``run`` is the agent beside a node's trainers
+(worker_agent/agent.py); ``inject`` puts a fault into one of its ranks for a drill
+(worker_agent/faults.py); ``simulate`` plays nodes that speak the real protocol without trainers
+(worker_agent/sim.py)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 
-from worker_agent import sim
+USAGE = "usage: python -m worker_agent {run,inject,simulate} [--help | ARGS...]"
 
-USAGE = "usage: python -m worker_agent simulate [--help | ARGS...]"
+
+def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
+    from worker_agent import agent, faults, sim
+
+    return {"run": agent.main, "inject": faults.main, "simulate": sim.main}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        print(sim.__doc__)
+        print(__doc__)
         return 0 if argv else 2
-    if argv[0] != "simulate":
+    commands = _commands()
+    if argv[0] not in commands:
         print(f"worker_agent: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
-    return sim.main(argv[1:])
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -2,18 +2,20 @@
 
 Shared by the agent (``worker_agent.agent``) and the simulated nodes (``worker_agent.sim``):
 ``Uplink.run`` connects, says ``hello``, waits for ``welcome``, then sends a heartbeat every
-interval the welcome gives and hands every ``command`` to the node's handler; faults and
-acknowledgements are queued (``fault``, ``ack``) and sent as soon as a socket is up, those not
-yet sent when it drops are sent after the next ``hello`` (heartbeats are not kept: the next one
-says everything). A dropped socket, a refused connection or a restarted server is tried again
-with a jittered exponential back-off; when ``stop`` is set, what is queued is sent and the node
-says ``goodbye``.
+interval the welcome gives and hands every ``command`` to the node's handler (a command frame
+that cannot be read but names its id is refused here, with an ``invalid`` error naming the
+field). Faults and acknowledgements are queued (``fault``, ``ack``) and sent as soon as a socket
+is up; those not yet sent when it drops are sent after the next ``hello`` (heartbeats are not
+kept: the next one says everything). A dropped socket, a refused connection or a restarted
+server is tried again with a jittered exponential back-off; when ``stop`` is set, what is queued
+is sent and the node says ``goodbye``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -82,8 +84,15 @@ class Uplink:
     def queued(self) -> int:
         return len(self._queue)
 
-    def fault(self, kind: protocol.FaultKind, devices: Sequence[int], *, step: int | None = None,
-              message: str = "", at: float | None = None) -> None:  # fmt: skip
+    def fault(
+        self,
+        kind: protocol.FaultKind,
+        devices: Sequence[int],
+        *,
+        step: int | None = None,
+        message: str = "",
+        at: float | None = None,
+    ) -> None:
         """Report a fault now, or as soon as a socket is up (its ``at`` stays the time seen)."""
         at = time.time() if at is None else at
         self._queue.append(_QueuedFault(kind, tuple(devices), at, step, message[:2000]))
@@ -113,8 +122,9 @@ class Uplink:
                     return
                 backoff = FIRST_BACKOFF_S  # the server closed a working socket: at once again
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
-                log.info("%s: %s; again in about %.1f s", self.node, exc.__class__.__name__,
-                         backoff)  # fmt: skip
+                log.info(
+                    "%s: %s; again in about %.1f s", self.node, exc.__class__.__name__, backoff
+                )
             except protocol.ProtocolError as exc:
                 log.warning("%s: the server's answer cannot be read: %s", self.node, exc)
             with contextlib.suppress(TimeoutError):
@@ -124,8 +134,13 @@ class Uplink:
     async def _converse(self, stop: asyncio.Event) -> bool:
         """One connection; True when the node should connect again."""
         async with websockets.connect(self.url, open_timeout=10, ping_interval=20) as ws:
-            hello = protocol.Hello(job=self.job, node=self.node, token=self.token,
-                                   devices=self.devices, agent=self.agent)  # fmt: skip
+            hello = protocol.Hello(
+                job=self.job,
+                node=self.node,
+                token=self.token,
+                devices=self.devices,
+                agent=self.agent,
+            )
             await ws.send(protocol.encode(hello))
             welcome = protocol.parse_server_frame(await asyncio.wait_for(ws.recv(), 30))
             if isinstance(welcome, protocol.Error):
@@ -171,13 +186,24 @@ class Uplink:
             if isinstance(item, protocol.Ack):
                 frame: protocol.Ack | protocol.Fault = item
             else:
-                frame = protocol.Fault(seq=self.seq + 1, at=item.at, kind=item.kind,
-                                       devices=list(item.devices), step=item.step,
-                                       message=item.message)  # fmt: skip
+                frame = protocol.Fault(
+                    seq=self.seq + 1,
+                    at=item.at,
+                    kind=item.kind,
+                    devices=list(item.devices),
+                    step=item.step,
+                    message=item.message,
+                )
             await ws.send(protocol.encode(frame))
             if isinstance(frame, protocol.Fault):
                 self.seq += 1
             self._queue.popleft()
+
+    def _refuse_command(self, text: str | bytes, error: protocol.ProtocolError) -> None:
+        ack = _unreadable_command(text, error)
+        if ack is not None:
+            log.warning("%s: command %s refused: %s", self.node, ack.command, error)
+            self.ack(ack)
 
     async def _listen(self, ws: Any) -> bool:
         """Hand the server's commands over; False when it refused this node for good."""
@@ -186,6 +212,7 @@ class Uplink:
                 frame = protocol.parse_server_frame(text)
             except protocol.ProtocolError as error:
                 log.warning("%s: a frame it cannot read: %s", self.node, error)
+                self._refuse_command(text, error)
                 continue
             if isinstance(frame, protocol.Error):
                 log.warning("%s: [%s] %s", self.node, frame.code, frame.message)
@@ -195,6 +222,26 @@ class Uplink:
             elif isinstance(frame, protocol.Command):
                 await self.on_command(frame)
         return True  # the server closed the socket: connect again
+
+
+def _unreadable_command(text: str | bytes, error: protocol.ProtocolError) -> protocol.Ack | None:
+    """The refusal of a command frame that cannot be read (an unknown action, a field of the
+    wrong kind) but names its id; None for any other frame."""
+    try:
+        frame = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(frame, dict) or frame.get("type") != "command":
+        return None
+    command = frame.get("id")
+    if not isinstance(command, str) or not 0 < len(command) <= 100:
+        return None
+    refusal = protocol.Error(
+        code=protocol.ErrorCode.INVALID,
+        message=error.message,
+        field=error.field if error.code is protocol.ErrorCode.INVALID else None,
+    )
+    return protocol.Ack(command=command, ok=False, at=time.time(), error=refusal)
 
 
 async def _first(*events: asyncio.Event | asyncio.Task[Any], timeout: float) -> None:

@@ -1,0 +1,186 @@
+"""The agent carries out the control plane's commands through its ranks (the toy trainer, real
+child processes): once per command id, acknowledged again when sent again, and refuses what it
+cannot do with a coded error, changing nothing. The server here is scripted: the real one never
+sends an unknown action or a broken plan."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.worker_agent.helpers import ScriptedServer, carried_out, poll, start_agent
+
+PLAN = {
+    "pipelines": [
+        {
+            "stages": [{"devices": [0], "layers": [0, 16]}, {"devices": [1], "layers": [16, 32]}],
+            "micro_batches": 8,
+        },
+        {
+            "stages": [{"devices": [4], "layers": [0, 16]}, {"devices": [5], "layers": [16, 32]}],
+            "micro_batches": 8,
+        },
+    ]
+}
+
+
+def command(id: str, action: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "command", "id": id, "action": action, **fields}
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedServer]:
+    server = ScriptedServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def states(server: ScriptedServer) -> set[str]:
+    beat = server.last_beat()
+    return {d["state"] for d in beat["devices"]} if beat else set()
+
+
+def training(server: ScriptedServer, devices: tuple[int, ...] = (0, 1)) -> bool:
+    beat = server.last_beat()
+    return (
+        beat is not None
+        and beat["step"] > 0
+        and [d["state"] for d in beat["devices"]] == ["training"] * len(devices)
+    )
+
+
+def test_a_command_is_carried_out_once_and_acknowledged_every_time(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
+    agent = start_agent(tmp_path, server=server.url, job="j", token="t")
+    try:
+        poll(lambda: training(server), "training")
+        beat = server.last_beat()
+        assert beat is not None and beat["loss"] > 0 and beat["samples_per_s"] > 0
+        assert beat["devices"][0]["memory_bytes"] == 1e9
+        server.send(command("c1", "apply_plan", decision=7, plan=PLAN))
+        first = poll(lambda: server.acks("c1"), "the apply_plan's ack")
+        assert first[0]["ok"] is True and "error" not in first[0]
+        server.send(command("c1", "apply_plan", decision=7, plan=PLAN))  # re-sent: same id
+        poll(lambda: len(server.acks("c1")) == 2, "a second ack")
+        assert sorted(carried_out(tmp_path)) == [
+            ["0", "c1", "apply_plan", "d7/"],
+            ["1", "c1", "apply_plan", "d7/"],
+        ], "carried out once by each rank, under the decision's generation"
+        server.send(command("c2", "pause"))
+        poll(lambda: server.acks("c2"), "the pause's ack")
+        poll(lambda: states(server) == {"paused"}, "paused")
+        server.send(command("c3", "resume", decision=7, step=500))
+        poll(lambda: server.acks("c3") and training(server), "training again")
+        poll(lambda: (server.last_beat() or {}).get("step", 0) > 500, "the step from the resume")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0
+    assert server.of_type("goodbye"), "goodbye said"
+
+
+@pytest.mark.parametrize(
+    ("frame", "field", "message"),
+    [
+        (command("bad", "explode"), "action", "Input should be"),
+        (command("bad", "apply_plan", decision=9), "plan", "carries no plan"),
+        (
+            command(
+                "bad",
+                "apply_plan",
+                decision=9,
+                plan={
+                    "pipelines": [
+                        {
+                            "stages": [
+                                {"devices": [0], "layers": [0, 16]},
+                                {"devices": [1], "layers": [17, 32]},
+                            ],
+                            "micro_batches": 8,
+                        }
+                    ]
+                },
+            ),
+            "plan.pipelines[0].stages[1].layers",
+            "do not continue the pipeline",
+        ),
+        (
+            command(
+                "bad",
+                "apply_plan",
+                decision=9,
+                plan={
+                    "pipelines": [
+                        {"stages": [{"devices": [0, 9], "layers": [0, 32]}], "micro_batches": 8}
+                    ]
+                },
+            ),
+            "plan.pipelines[0].stages[0].devices",
+            "uses device 9 of another node",
+        ),
+        (
+            command(
+                "bad",
+                "apply_plan",
+                decision=9,
+                plan={
+                    "pipelines": [
+                        {
+                            "stages": [
+                                {"devices": [0], "layers": [0, 32]},
+                                {"devices": [0], "layers": [0, 32]},
+                            ],
+                            "micro_batches": 8,
+                        }
+                    ]
+                },
+            ),
+            "plan.pipelines[0].stages[1]",
+            "",
+        ),
+    ],
+    ids=["unknown-action", "no-plan", "layer-gap", "another-nodes-device", "device-twice"],
+)
+def test_a_command_it_cannot_carry_out_is_refused_and_changes_nothing(
+    server: ScriptedServer, tmp_path: Path, frame: dict[str, Any], field: str, message: str
+) -> None:
+    agent = start_agent(tmp_path, server=server.url, job="j", token="t")
+    try:
+        poll(lambda: training(server), "training")
+        server.send(frame)
+        ack = poll(lambda: server.acks("bad"), "the refusal")[0]
+        assert ack["ok"] is False
+        assert ack["error"]["code"] == "invalid"
+        assert ack["error"]["field"].startswith(field), ack
+        assert message in ack["error"]["message"], ack
+        # nothing changed: no rank saw it, the generation is the one before, still training
+        server.send(command("next", "pause"))
+        poll(lambda: server.acks("next"), "the next command's ack")
+        assert sorted(carried_out(tmp_path)) == [
+            ["0", "next", "pause", "d0/"],
+            ["1", "next", "pause", "d0/"],
+        ]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0
+
+
+def test_a_rank_that_fails_a_command_fails_its_ack(server: ScriptedServer, tmp_path: Path) -> None:
+    agent = start_agent(
+        tmp_path, server=server.url, job="j", token="t", trainer=("--refuse", "restore")
+    )
+    try:
+        poll(lambda: training(server), "training")
+        server.send(command("r1", "restore", decision=3))
+        ack = poll(lambda: server.acks("r1"), "the restore's ack")[0]
+        assert ack["ok"] is False and ack["error"]["code"] == "invalid"
+        assert ack["error"]["message"].startswith("device 0: refused"), ack
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0

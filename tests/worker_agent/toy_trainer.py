@@ -1,0 +1,83 @@
+"""A trainer for the agent's tests, run as a real child process: it "trains" by sleeping a step
+time and reporting falling losses through ``TrainerLink``, and carries out the agent's commands,
+writing each one it carries out to ``TOY_LOG`` (one line: device, command id, action).
+
+    python -m tests.worker_agent.toy_trainer [--step-time S] [--refuse ACTION]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from worker_agent.link import CommandMessage, LinkError, TrainerLink
+
+
+def carry_out(link: TrainerLink, command: CommandMessage, refuse: str | None) -> str:
+    """The state the rank is in after ``command``."""
+    if command.action == refuse:
+        link.done(command.id, ok=False, error=LinkError(code="invalid", message="refused"))
+        return "training"
+    log = os.environ.get("TOY_LOG")
+    if log:
+        with open(log, "a") as handle:
+            handle.write(f"{link.device} {command.id} {command.action} {command.generation}\n")
+    state = "training"
+    if command.action == "pause":
+        state = "paused"
+    elif command.action == "stop":
+        state = "idle"
+    elif command.action == "apply_plan" and command.plan is not None:
+        link.set_state("restoring")
+        time.sleep(0.05)  # the weights this rank's new stage needs
+        used = {d for p in command.plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+        state = "training" if link.device in used else "idle"
+    link.set_state(state)
+    link.done(command.id, ok=True)
+    return state
+
+
+def work(seconds: float) -> None:
+    """Sleep ``seconds`` in slices, counting only slices that were not stopped: like compute, a
+    stopped process does no work (a plain sleep would go on counting while it is stopped)."""
+    done = 0.0
+    while done < seconds:
+        began = time.monotonic()
+        time.sleep(0.01)
+        if time.monotonic() - began < 0.02:
+            done += 0.01
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--refuse", help="answer this action with ok: false")
+    args = parser.parse_args()
+    link = TrainerLink.from_env()
+    state, step = "training", 0
+    link.set_state(state)
+    while not link.agent_gone:
+        timeout = 0.0
+        if state == "training":
+            began = time.monotonic()
+            work(args.step_time)
+            step += 1
+            loss = 4.0 / (1 + 0.05 * step)
+            if link.injected("nan"):
+                loss = float("nan")
+            link.report_step(step, loss, time.monotonic() - began, samples=8, memory_bytes=1e9)
+        else:
+            timeout = 0.1
+        command = link.poll_command(timeout)
+        if command is not None:
+            state = carry_out(link, command, args.refuse)
+            if command.action == "resume" and command.step is not None:
+                step = command.step
+            if command.action == "stop":
+                return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

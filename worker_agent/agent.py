@@ -1,0 +1,795 @@
+"""The agent beside a node's trainer processes: ``python -m worker_agent run``.
+
+    python -m worker_agent run --server ws://HOST:PORT --job NAME --node NAME --token T
+        --devices 0,1 [--store HOST:PORT] [--serve-store] [--seconds S] -- TRAINER COMMAND...
+
+It starts one trainer process (a *rank*) per device, the command run with ``{device}`` replaced
+and the link's environment (``worker_agent/link.py``), supervises them, and speaks the agent
+protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
+
+- a heartbeat every interval the welcome gives, made of the ranks' reports: the node's step (the
+  lowest of its ranks'), the last loss, samples/s, step time, and each device's state and memory;
+- a ``fault`` the moment one is seen: a rank exited or was killed (``crash``, from the process
+  table and the link's end), no step progress for ``hang_factor`` × its median step time and at
+  least ``hang_floor_s`` (``hang``), a NaN or infinite loss (``nan``), a rank slower than
+  ``straggler_factor`` × the median of the node's other ranks for ``straggler_steps`` steps in a
+  row (``straggler``); a dead or hung rank also sets ``<generation>abort`` in the job's store so
+  the other ranks leave their collectives, and a hung rank is killed;
+- every command carried out once per id by the ranks it concerns, acknowledged when they all
+  said ``done`` (and again each time it is sent again); refused with an ``invalid`` error when
+  its action is unknown, its plan does not hold together, or a stage of its plan mixes this
+  node's devices with others';
+- SIGTERM or SIGINT: ``goodbye``, then the ranks are stopped (SIGTERM, SIGKILL after a grace
+  period) and reaped, and the store is closed.
+
+``--serve-store`` makes this agent host the job's ``torch.distributed.TCPStore`` on ``--store``'s
+port: one agent per job does, like torchrun's master; see docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import signal
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from worker_agent import faults, link, protocol
+from worker_agent.connection import Uplink
+
+log = logging.getLogger("worker_agent.agent")
+AGENT_VERSION = "pitstop-agent 0.1"
+RECENT_STEPS = 20  # the step times a rank's median is taken over
+
+
+@dataclass
+class Settings:
+    server: str
+    job: str
+    node: str
+    token: str
+    devices: list[int]
+    command: list[str]
+    store: str | None = None
+    serve_store: bool = False
+    seconds: float | None = None
+    hang_factor: float = 10.0
+    hang_floor_s: float = 30.0
+    straggler_factor: float = 2.0
+    straggler_steps: int = 3
+    grace_s: float = 10.0
+    command_timeout_s: float = 300.0
+    layers: int | None = None  # the model's layers, when known: plans' ranges are checked too
+    control: bool = True  # listen for injections (worker_agent.faults)
+
+
+@dataclass
+class Rank:
+    """One trainer process and what it last reported."""
+
+    device: int
+    end: link.AgentEnd
+    process: asyncio.subprocess.Process
+    state: str = "idle"
+    step: int | None = None
+    loss: float | None = None
+    step_time_s: float | None = None
+    samples: int = 0
+    memory_bytes: float | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    progress_at: float = field(default_factory=time.monotonic)  # the step last advanced
+    slow_steps: int = 0
+    straggling: bool = False
+    nan: bool = False
+    gone: str | None = None  # why it is gone: crash, hang, finished, stopped
+    exit_expected: bool = False  # told to stop: its exit is no fault
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.gone is None
+
+
+@dataclass
+class Pending:
+    """A command the ranks are carrying out: who has yet to say done, and who failed."""
+
+    command: protocol.Command
+    waiting: set[int]
+    errors: list[tuple[int, link.LinkError]] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Store:
+    """The job's ``torch.distributed.TCPStore``: hosted here (``--serve-store``) or a client."""
+
+    def __init__(self, address: str, *, serve: bool) -> None:
+        host, _, port = address.rpartition(":")
+        self.host, self.port, self.serve = host or "127.0.0.1", int(port), serve
+        self._store: Any = None
+
+    def _open(self) -> Any:
+        if self._store is None:
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(
+                self.host,
+                self.port,
+                is_master=self.serve,
+                wait_for_workers=False,
+                timeout=dt.timedelta(seconds=10),
+            )
+        return self._store
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._open)
+        log.info("hosting the job's store on port %d", self.port)
+
+    async def set(self, key: str, value: str) -> None:
+        def write() -> None:
+            self._open().set(key, value)
+
+        try:
+            await asyncio.to_thread(write)
+        except Exception as exc:  # the store is away: the abort is lost, the fault is not
+            log.warning("store %s:%d: %s not set: %s", self.host, self.port, key, exc)
+
+    def close(self) -> None:
+        self._store = None  # the server (if hosted) stops with its last reference
+
+
+def check_plan(
+    command: protocol.Command, mine: set[int], dead: set[int], layers: int | None
+) -> protocol.Error | None:
+    """Why this node cannot take ``command``'s plan, or None. The structure, devices and layer
+    ranges are the core's codec checks; memory is not checked (the agent has no profile)."""
+    from controlplane.recovery.codec import plan_from_dict
+    from controlplane.recovery.errors import RecoveryError
+    from controlplane.recovery.model import Cluster, ModelProfile
+
+    def refused(message: str, where: str) -> protocol.Error:
+        return protocol.Error(code=protocol.ErrorCode.INVALID, message=message, field=where)
+
+    plan = command.plan
+    if plan is None:
+        return refused("apply_plan carries no plan", "plan")
+    ends, devices = [1], [0]
+    with contextlib.suppress(TypeError, KeyError, AttributeError, ValueError, IndexError):
+        for pipe in plan["pipelines"]:
+            for stage in pipe["stages"]:
+                ends.append(int(stage["layers"][1]))
+                devices.extend(int(d) for d in stage["devices"])
+    profile = ModelProfile.uniform(name="plan", layers=layers or max(ends), fwd_s=1, bwd_s=1)
+    cluster = Cluster(devices=max(max(devices), max(mine)) + 1)
+    try:
+        parsed = plan_from_dict(plan, profile=profile, cluster=cluster)
+    except RecoveryError as exc:
+        message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        return refused(message, exc.field or "plan")
+    for p, s, stage in parsed.stages():
+        where = f"plan.pipelines[{p}].stages[{s}].devices"
+        here = set(stage.devices) & mine
+        if here and not stage.rerouted and here != set(stage.devices):
+            other = sorted(set(stage.devices) - mine)[0]
+            return refused(f"uses device {other} of another node", where)
+        down = sorted(here & dead)
+        if down and not stage.rerouted:
+            return refused(f"uses device {down[0]}, whose trainer is not running", where)
+    return None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Agent:
+    """The node's ranks and its uplink; ``run`` until stopped."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.ranks: dict[int, Rank] = {}
+        self.generation = "d0/"
+        self.plan_devices: set[int] | None = None  # the devices the current plan uses, if known
+        self.outcomes: dict[str, protocol.Ack] = {}  # command id -> its ack
+        self.pending: dict[str, Pending] = {}
+        self.last_loss: float | None = None
+        self.last_step = 0
+        self.stopping = False
+        self.finish = asyncio.Event()  # set: leave (signal, --seconds, stop, training finished)
+        self.leave = asyncio.Event()  # set: the uplink says goodbye
+        self.exit_code = 0
+        self.faults_sent: list[tuple[str, tuple[int, ...]]] = []
+        self.store = Store(settings.store, serve=settings.serve_store) if settings.store else None
+        url = settings.server.rstrip("/") + "/ws/agent/"
+        self.uplink = Uplink(
+            url,
+            job=settings.job,
+            node=settings.node,
+            token=settings.token,
+            devices=settings.devices,
+            agent=AGENT_VERSION,
+            heartbeat=self.heartbeat,
+            on_command=self.on_command,
+        )
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._control: asyncio.Server | None = None
+        self._uplink: asyncio.Task[None] | None = None
+
+    # --- running ---
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.finish.set)
+        if self.settings.seconds is not None:
+            loop.call_later(self.settings.seconds, self.finish.set)
+        try:
+            if self.store is not None and self.settings.serve_store:
+                await self.store.start()
+            if self.settings.control:
+                await self._serve_control()
+            for device in self.settings.devices:
+                await self._start_rank(device)
+            self._uplink = self._spawn(self.uplink.run(self.leave))
+            self._uplink.add_done_callback(lambda _: self.finish.set())
+            self._spawn(self._watch())
+            await self.finish.wait()
+            if self.uplink.refused is not None:
+                self.exit_code = 1
+        finally:
+            await self.shutdown()
+        return self.exit_code
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def shutdown(self) -> None:
+        """Goodbye, then the ranks stopped and reaped, the store and control socket closed."""
+        self.stopping = True
+        self.leave.set()
+        if self._uplink is not None:
+            await asyncio.wait([self._uplink], timeout=5)
+        await self._stop_ranks()
+        if self._control is not None:
+            self._control.close()
+            with contextlib.suppress(OSError):
+                faults.control_path(os.getpid()).unlink()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.store is not None:
+            self.store.close()
+        log.info("agent stopped")
+
+    async def _stop_ranks(self) -> None:
+        live = [r for r in self.ranks.values() if r.process.returncode is None]
+        for rank in live:
+            _signal_group(rank.pid, signal.SIGTERM)
+        if live:
+            _, late = await asyncio.wait(
+                [asyncio.ensure_future(r.process.wait()) for r in live],
+                timeout=self.settings.grace_s,
+            )
+            for rank in live:
+                if rank.process.returncode is None:
+                    log.warning(
+                        "device %d: no exit %g s after SIGTERM: SIGKILL",
+                        rank.device,
+                        self.settings.grace_s,
+                    )
+                    _signal_group(rank.pid, signal.SIGKILL)
+            await asyncio.gather(*(r.process.wait() for r in live))
+            for waiter in late:
+                waiter.cancel()
+        for rank in self.ranks.values():
+            _signal_group(rank.pid, signal.SIGKILL)  # what its process group left behind
+            rank.end.close()
+
+    async def _start_rank(self, device: int) -> None:
+        end, child = link.AgentEnd.pair()
+        settings = self.settings
+        command = [part.replace("{device}", str(device)) for part in settings.command]
+        env = dict(os.environ)
+        env.update(
+            link.child_environment(
+                fd=child.fileno(),
+                device=device,
+                node=settings.node,
+                generation=self.generation,
+                store=settings.store,
+            )
+        )
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command, env=env, pass_fds=(child.fileno(),), start_new_session=True
+            )
+        finally:
+            child.close()
+        await end.open()
+        rank = Rank(device=device, end=end, process=process)
+        self.ranks[device] = rank
+        log.info("device %d: rank started, pid %d", device, process.pid)
+        self._spawn(self._read(rank))
+        self._spawn(self._reap(rank))
+
+    # --- what the ranks say ---
+
+    async def _read(self, rank: Rank) -> None:
+        async for message in rank.end.messages():
+            self._take(rank, message)
+        if rank.alive and not self.stopping:
+            # the link ended: the exit status is a moment behind, or the rank closed its link
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(rank.process.wait()), 1.0)
+                return  # it exited: the reaper reports how
+            if rank.alive and not self.stopping:
+                self._lost(rank, "crash", f"rank on device {rank.device} closed its link")
+                _signal_group(rank.pid, signal.SIGKILL)
+
+    def _take(self, rank: Rank, message: link.RankMessage) -> None:
+        if isinstance(message, link.StepMessage):
+            self._stepped(rank, message)
+        elif isinstance(message, link.StateMessage):
+            if message.state != rank.state:
+                rank.progress_at = time.monotonic()  # training (again): the hang clock starts
+                rank.slow_steps = 0
+            rank.state = message.state
+        elif isinstance(message, link.DoneMessage):
+            self._done(rank.device, message.command, message.ok, message.error)
+        elif isinstance(message, link.FaultMessage):
+            self._report(
+                protocol.FaultKind(message.kind),
+                [rank.device],
+                message.message or f"rank on device {rank.device} reported it",
+            )
+        elif isinstance(message, link.HelloMessage) and message.device != rank.device:
+            log.warning("device %d: the rank says it is device %d", rank.device, message.device)
+
+    def _stepped(self, rank: Rank, message: link.StepMessage) -> None:
+        now = time.monotonic()
+        if rank.step is None or message.step != rank.step:
+            rank.progress_at = now
+        rank.step, rank.step_time_s = message.step, message.step_time_s
+        rank.samples, rank.memory_bytes = message.samples, message.memory_bytes
+        rank.recent.append(message.step_time_s)
+        loss = message.loss
+        if loss is not None and not math.isfinite(loss):
+            if not rank.nan:
+                rank.nan = True
+                self._report(
+                    protocol.FaultKind.NAN,
+                    [rank.device],
+                    f"rank on device {rank.device}: loss {loss} at step {message.step}",
+                    step=message.step,
+                )
+        else:
+            rank.nan = False
+            if loss is not None:
+                rank.loss = self.last_loss = loss
+        self._check_straggler(rank)
+
+    def _check_straggler(self, rank: Rank) -> None:
+        settings = self.settings
+        others = [
+            r.step_time_s
+            for r in self.ranks.values()
+            if r is not rank and r.alive and r.state == "training" and r.step_time_s is not None
+        ]
+        median = _median(others)
+        if median is None or rank.step_time_s is None or median <= 0:
+            return
+        if rank.step_time_s > settings.straggler_factor * median:
+            rank.slow_steps += 1
+        else:
+            rank.slow_steps, rank.straggling = 0, False
+        if rank.slow_steps >= settings.straggler_steps and not rank.straggling:
+            rank.straggling = True
+            self._report(
+                protocol.FaultKind.STRAGGLER,
+                [rank.device],
+                f"rank on device {rank.device}: {rank.step_time_s:.3g} s a step, the "
+                f"others' median {median:.3g} s, for {rank.slow_steps} steps",
+                step=rank.step,
+            )
+
+    async def _reap(self, rank: Rank) -> None:
+        code = await rank.process.wait()
+        if not rank.alive or self.stopping:
+            return
+        if rank.exit_expected or code == 0:
+            rank.gone = "stopped" if rank.exit_expected else "finished"
+            log.info("device %d: rank exited with code %d", rank.device, code)
+            self._abandon(rank)
+            if not any(r.alive for r in self.ranks.values()):
+                log.info("every rank has finished")
+                self.finish.set()
+            return
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        self._lost(rank, "crash", f"rank {rank.pid} on device {rank.device} exited with {how}")
+
+    # --- faults ---
+
+    def _report(
+        self, kind: protocol.FaultKind, devices: list[int], message: str, step: int | None = None
+    ) -> None:
+        log.warning("fault %s on %s: %s", kind.value, devices, message)
+        self.faults_sent.append((kind.value, tuple(devices)))
+        self.uplink.fault(
+            kind, devices, step=step if step is not None else self.last_step, message=message
+        )
+
+    def _lost(self, rank: Rank, kind: str, message: str) -> None:
+        """A rank died or hung: report it, tell every rank of the job to leave its collectives
+        (``<generation>abort`` in the store), and give up its part of pending commands."""
+        rank.gone = kind
+        self._report(protocol.FaultKind(kind), [rank.device], message, step=rank.step)
+        if self.store is not None:
+            value = json.dumps(
+                {"node": self.settings.node, "device": rank.device, "kind": kind, "at": time.time()}
+            )
+            self._spawn(self.store.set(f"{self.generation}abort", value))
+        self._abandon(rank)
+
+    def _abandon(self, rank: Rank) -> None:
+        error = link.LinkError(code="invalid", message=f"the rank on device {rank.device} is gone")
+        for command_id in list(self.pending):
+            self._done(rank.device, command_id, False, error)
+
+    async def _watch(self) -> None:
+        """Hangs: a training rank whose step has not moved for k × its median step time."""
+        settings = self.settings
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            for rank in list(self.ranks.values()):
+                if not rank.alive or rank.state != "training" or rank.step is None:
+                    continue
+                expected = _median(list(rank.recent)) or 0.0
+                limit = max(settings.hang_floor_s, settings.hang_factor * expected)
+                stalled = now - rank.progress_at
+                if stalled > limit:
+                    self._lost(
+                        rank,
+                        "hang",
+                        f"rank {rank.pid} on device {rank.device}: no step "
+                        f"for {stalled:.1f} s after step {rank.step} (limit {limit:.1f} s)",
+                    )
+                    _signal_group(rank.pid, signal.SIGKILL)
+
+    # --- the control plane ---
+
+    def heartbeat(self, seq: int) -> protocol.Heartbeat:
+        live = [r for r in self.ranks.values() if r.alive and r.step is not None]
+        if live:
+            self.last_step = min(r.step for r in live if r.step is not None)
+        training = [r for r in live if r.state == "training" and r.step_time_s]
+        samples = sum(r.samples / r.step_time_s for r in training if r.step_time_s)
+        step_time = _median([r.step_time_s for r in training if r.step_time_s is not None])
+        reports = []
+        for device in self.settings.devices:
+            rank = self.ranks.get(device)
+            state = rank.state if rank is not None else "idle"
+            if rank is not None and not rank.alive:
+                # a device the current plan leaves out is idle, however its rank ended
+                used = self.plan_devices is None or device in self.plan_devices
+                state = "failed" if used and rank.gone in ("crash", "hang") else "idle"
+            memory = rank.memory_bytes if rank is not None and rank.alive else None
+            reports.append(
+                protocol.DeviceReport(
+                    device=device, state=protocol.DeviceState(state), memory_bytes=memory
+                )
+            )
+        return protocol.Heartbeat(
+            seq=seq,
+            at=time.time(),
+            step=self.last_step,
+            loss=self.last_loss,
+            samples_per_s=samples if training else 0.0,
+            step_time_s=step_time,
+            devices=reports,
+        )
+
+    async def on_command(self, command: protocol.Command) -> None:
+        done = self.outcomes.get(command.id)
+        if done is not None:
+            log.info("command %s sent again: acknowledged again", command.id)
+            self.uplink.ack(done)
+            return
+        if command.id in self.pending:
+            return  # under way: acknowledged when the ranks are done
+        error = self._refusal(command)
+        if error is not None:
+            log.warning(
+                "command %s (%s) refused: %s", command.id, command.action.value, error.message
+            )
+            self.uplink.ack(protocol.Ack(command=command.id, ok=False, at=time.time(), error=error))
+            return
+        if command.action is protocol.Action.APPLY_PLAN:
+            if command.decision is not None:
+                self.generation = f"d{command.decision}/"
+            plan = command.plan or {}
+            self.plan_devices = {
+                d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]
+            }
+        targets = [r for r in self.ranks.values() if r.alive]
+        pending = Pending(command, {r.device for r in targets})
+        self.pending[command.id] = pending
+        message = link.CommandMessage(
+            id=command.id,
+            action=command.action.value,
+            plan=command.plan,
+            step=command.step,
+            generation=self.generation,
+        )
+        log.info(
+            "command %s: %s to devices %s",
+            command.id,
+            command.action.value,
+            sorted(pending.waiting),
+        )
+        for rank in targets:
+            if command.action is protocol.Action.STOP:
+                rank.exit_expected = True
+            if not rank.end.send(message):
+                self._done(
+                    rank.device,
+                    command.id,
+                    False,
+                    link.LinkError(message=f"the rank on device {rank.device} is gone"),
+                )
+        if command.id in self.pending:
+            pending.timer = asyncio.get_running_loop().call_later(
+                self.settings.command_timeout_s, self._timed_out, command.id
+            )
+            if not pending.waiting:
+                self._complete(pending)
+
+    def _refusal(self, command: protocol.Command) -> protocol.Error | None:
+        if command.action is protocol.Action.APPLY_PLAN:
+            dead = {d for d, r in self.ranks.items() if not r.alive}
+            return check_plan(command, set(self.settings.devices), dead, self.settings.layers)
+        return None
+
+    def _done(self, device: int, command_id: str, ok: bool, error: link.LinkError | None) -> None:
+        pending = self.pending.get(command_id)
+        if pending is None or device not in pending.waiting:
+            return
+        pending.waiting.discard(device)
+        if not ok:
+            pending.errors.append((device, error or link.LinkError(message="no reason given")))
+        if not pending.waiting:
+            self._complete(pending)
+
+    def _timed_out(self, command_id: str) -> None:
+        pending = self.pending.get(command_id)
+        if pending is None:
+            return
+        limit = self.settings.command_timeout_s
+        for device in sorted(pending.waiting):
+            pending.errors.append((device, link.LinkError(message=f"no answer in {limit:g} s")))
+        pending.waiting.clear()
+        self._complete(pending)
+
+    def _complete(self, pending: Pending) -> None:
+        command = pending.command
+        self.pending.pop(command.id, None)
+        if pending.timer is not None:
+            pending.timer.cancel()
+        error = None
+        if pending.errors:
+            device, first = min(pending.errors, key=lambda error: error[0])  # the lowest device
+            code = first.code if first.code in set(protocol.ErrorCode) else "invalid"
+            error = protocol.Error(
+                code=protocol.ErrorCode(code),
+                field=first.field,
+                message=f"device {device}: {first.message}"[:2000],
+            )
+        ack = protocol.Ack(command=command.id, ok=error is None, at=time.time(), error=error)
+        self.outcomes[command.id] = ack
+        self.uplink.ack(ack)
+        log.info(
+            "command %s: %s %s",
+            command.id,
+            command.action.value,
+            "done" if ack.ok else f"failed: {error.message if error else ''}",
+        )
+        if command.action is protocol.Action.STOP and ack.ok:
+            self.finish.set()
+
+    # --- injections (worker_agent.faults) ---
+
+    async def _serve_control(self) -> None:
+        path = faults.control_path(os.getpid())
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        old = os.umask(0o077)
+        try:
+            self._control = await asyncio.start_unix_server(self._on_control, path=str(path))
+        finally:
+            os.umask(old)
+
+    async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(await asyncio.wait_for(reader.readline(), 5))
+            answer = self.inject(request)
+        except (ValueError, TypeError, KeyError, TimeoutError) as exc:
+            answer = {"ok": False, "error": f"bad request: {exc}"}
+        writer.write(json.dumps(answer).encode() + b"\n")
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        writer.close()
+
+    def inject(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Carry out one injection request; the answer for the requester."""
+        kind = request["kind"]
+        if kind == "drop":
+            return {"ok": self.uplink.drop(), "error": "no socket to drop"}
+        if kind not in faults.KINDS:
+            return {"ok": False, "error": f"unknown kind {kind!r}"}
+        rank = None
+        for candidate in self.ranks.values():
+            if candidate.pid == request.get("pid") or candidate.device == request.get("device"):
+                rank = candidate
+        if rank is None or not rank.alive:
+            return {"ok": False, "error": "no such rank running here"}
+        seconds = request.get("seconds")
+        log.warning("injecting %s into device %d (pid %d)", kind, rank.device, rank.pid)
+        if kind == "kill":
+            faults.kill(rank.pid)
+        elif kind == "hang":
+            faults.hang(rank.pid)
+            if seconds:
+                self._spawn(faults.resume_after(rank.pid, float(seconds)))
+        elif kind == "slow":
+            fraction = float(request.get("stopped_fraction") or 0.75)
+            self._spawn(faults.slow(rank.pid, float(seconds or 10), fraction))
+        elif kind == "nan":
+            rank.end.send(link.InjectMessage(kind="nan"))
+        return {"ok": True, "device": rank.device, "pid": rank.pid}
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal a rank and every process it started (each rank leads its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m worker_agent run", description=__doc__.split("\n\n")[0]
+    )
+    env = os.environ.get
+    p.add_argument(
+        "--server",
+        default=env("PITSTOP_SERVER", "ws://127.0.0.1:8000"),
+        help="the control plane's address (ws://HOST:PORT)",
+    )
+    p.add_argument("--job", default=env("PITSTOP_JOB"), help="the job's name")
+    p.add_argument("--node", default=env("PITSTOP_NODE"), help="this node's name in the job")
+    p.add_argument("--token", default=env("PITSTOP_AGENT_TOKEN"), help="the job's agent token")
+    p.add_argument("--devices", required=True, help="this node's devices, e.g. 0,1,2,3")
+    p.add_argument("--store", help="HOST:PORT of the job's torch TCPStore")
+    p.add_argument(
+        "--serve-store",
+        action="store_true",
+        help="host the job's TCPStore on --store's port (one agent per job)",
+    )
+    p.add_argument("--seconds", type=float, help="stop after this long (default: when stopped)")
+    p.add_argument(
+        "--hang-factor",
+        type=float,
+        default=10.0,
+        help="a hang: no step for this many median step times",
+    )
+    p.add_argument(
+        "--hang-floor", type=float, default=30.0, help="... and for at least this many seconds"
+    )
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=2.0,
+        help="a straggler: steps this many times the other ranks' median",
+    )
+    p.add_argument(
+        "--straggler-steps", type=int, default=3, help="... for this many steps in a row"
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL for the ranks at shutdown",
+    )
+    p.add_argument(
+        "--command-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the ranks have to carry out a command",
+    )
+    p.add_argument("--layers", type=int, help="the model's layers: plans' ranges are checked")
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="do not listen for injected faults (worker_agent.faults)",
+    )
+    p.add_argument(
+        "trainer",
+        nargs=argparse.REMAINDER,
+        help="-- then the trainer command ({device} is replaced)",
+    )
+    return p
+
+
+def settings_from(argv: Sequence[str] | None) -> Settings:
+    p = parser()
+    args = p.parse_args(argv)
+    command = args.trainer[1:] if args.trainer[:1] == ["--"] else args.trainer
+    if not command:
+        p.error("the trainer command is missing (after --)")
+    if not args.job or not args.token or not args.node:
+        p.error(
+            "--job, --node and --token are needed (or PITSTOP_JOB, PITSTOP_NODE and "
+            "PITSTOP_AGENT_TOKEN)"
+        )
+    try:
+        devices = [int(d) for d in args.devices.split(",") if d.strip()]
+    except ValueError:
+        p.error(f"--devices: expected numbers like 0,1,2, got {args.devices!r}")
+    if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+        p.error("--devices: distinct device numbers ≥ 0, at least one")
+    if len(devices) > protocol.MAX_DEVICES:
+        p.error(f"--devices: at most {protocol.MAX_DEVICES}")
+    url = urlparse(args.server)
+    if url.scheme not in ("ws", "wss") or not url.hostname:
+        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
+    if args.store is not None:
+        host, _, port = args.store.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--store: expected HOST:PORT, got {args.store!r}")
+    elif args.serve_store:
+        p.error("--serve-store needs --store HOST:PORT (the port to serve on)")
+    if args.hang_factor <= 0 or args.hang_floor < 0 or args.straggler_factor <= 1:
+        p.error("--hang-factor must be > 0, --hang-floor ≥ 0, --straggler-factor > 1")
+    if args.straggler_steps < 1 or args.grace < 0 or args.command_timeout <= 0:
+        p.error("--straggler-steps ≥ 1, --grace ≥ 0, --command-timeout > 0")
+    return Settings(
+        server=args.server,
+        job=args.job,
+        node=args.node,
+        token=args.token,
+        devices=devices,
+        command=command,
+        store=args.store,
+        serve_store=args.serve_store,
+        seconds=args.seconds,
+        hang_factor=args.hang_factor,
+        hang_floor_s=args.hang_floor,
+        straggler_factor=args.straggler_factor,
+        straggler_steps=args.straggler_steps,
+        grace_s=args.grace,
+        command_timeout_s=args.command_timeout,
+        layers=args.layers,
+        control=not args.no_control,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = settings_from(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(Agent(settings).run())
