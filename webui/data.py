@@ -210,7 +210,7 @@ def why(rows: list[dict[str, Any]], decision: RecoveryDecision | None = None) ->
     )
     text = (
         f"{proposed['policy']} has the highest objective (eq. 8: throughput over the expected "
-        f"time to the next fault), {proposed['objective']:.4g}"
+        f"time to the next fault): {proposed['objective']:.4g}"
     )
     if others:
         text += f", ahead of {others[0]['policy']} at {others[0]['objective']:.4g}"

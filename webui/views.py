@@ -14,7 +14,7 @@ from functools import wraps
 from typing import Any
 
 from django.contrib.auth.views import redirect_to_login
-from django.db.models.fields.json import KT
+from django.db.models.fields.json import KT, KeyTextTransform, KeyTransform
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -93,9 +93,11 @@ def _live(job_ids: list[int]) -> dict[int, dict[str, Any]]:
 @needs(Role.VIEWER)
 def jobs(request: HttpRequest) -> HttpResponse:
     found = list(data.jobs_overview())
-    live = _live([j.pk for j in found if j.status in (JobStatus.RUNNING, JobStatus.RECOVERING)])
+    live = _live([j.pk for j in found if j.status not in (JobStatus.STOPPED, JobStatus.FAILED)])
     for job in found:
         job.live = live.get(job.pk, {})  # type: ignore[attr-defined]
+        step = job.live.get("step")  # type: ignore[attr-defined]
+        job.shown_step = job.step if step is None else step  # type: ignore[attr-defined]
     return page(request, "webui/jobs.html", {"jobs": found})
 
 
@@ -147,13 +149,19 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 # --- recoveries ----------------------------------------------------------------------------
 
 
+def _scenario_fact(part: str, name: str) -> KeyTextTransform:
+    """One number of the decision's job's scenario, read in the database (KT cannot follow a
+    relation)."""
+    return KeyTextTransform(name, KeyTransform(part, "job__scenario"))
+
+
 def _recovery(pk: int) -> RecoveryDecision:
     found: RecoveryDecision = get_object_or_404(
         RecoveryDecision.objects.select_related("failure", "chosen_by", "job")
         .defer(*heavy("job"))
         .annotate(
-            capacity=KT("job__scenario__cluster__device_memory_bytes"),
-            global_batch=KT("job__scenario__training__global_batch"),
+            capacity=_scenario_fact("cluster", "device_memory_bytes"),
+            global_batch=_scenario_fact("training", "global_batch"),
         ),
         pk=pk,
     )
@@ -238,7 +246,7 @@ def recovery_override(request: HttpRequest, pk: int) -> HttpResponse:
         candidate = int(given["candidate"])
     else:
         error = {"field": "candidate", "message": "pick a candidate", "code": "required"}
-    status = 400
+    status = 200  # the form again, its error beside the field (Django's way with forms)
     if error is None:
         try:
             decisions.override(
@@ -302,7 +310,7 @@ def what_if(request: HttpRequest, pk: int) -> HttpResponse:
                 global_batch=answer["global_batch"],
             )
             context["why"] = data.why(context["candidates"])
-    return page(request, "webui/what_if.html", context, status=400 if "error" in context else 200)
+    return page(request, "webui/what_if.html", context)
 
 
 def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
@@ -361,14 +369,13 @@ def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dic
 def simulations(request: HttpRequest) -> HttpResponse:
     """Past sweeps, and (for operators) a form that starts one as Celery tasks."""
     context: dict[str, Any] = {"given": request.POST}
-    status = 200
     if request.method == "POST":
         if role(request) < Role.OPERATOR:
             return HttpResponseForbidden("starting a simulation needs the operator role")
         started, error = _start_sweep(request)
         if started is not None:
             return redirect("webui:simulation", pk=started.pk)
-        context["error"], status = error, 400
+        context["error"] = error
     context.update(
         sweeps=Sweep.objects.select_related("job")
         .defer("scenario", "summary", *heavy("job"))
@@ -377,7 +384,7 @@ def simulations(request: HttpRequest) -> HttpResponse:
         policies=describe_policies(),
         chosen=request.POST.getlist("policies") or ["odyssey", "dynamic", "checkpoint"],
     )
-    return page(request, "webui/simulations.html", context, status=status)
+    return page(request, "webui/simulations.html", context)
 
 
 def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | None]:

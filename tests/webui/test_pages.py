@@ -176,6 +176,7 @@ def test_a_viewer_sees_the_candidates_but_no_button_and_cannot_approve() -> None
     viewer = client_as("viewer")
     page = text(viewer.get(f"/recoveries/{decision.pk}/"))
     assert "odyssey" in page and "checkpoint" in page and "✔ chosen" in page
+    assert "% of the fastest" in page and " / 59.6\xa0GB" in page  # throughput, capacity
     assert 'id="approve"' not in page and 'id="override"' not in page
     assert "needs the operator role" in page
     assert viewer.post(f"/recoveries/{decision.pk}/approve/").status_code == 403
@@ -211,7 +212,7 @@ def test_a_rejected_edited_plan_shows_the_cores_error_beside_the_field() -> None
         f"/recoveries/{decision.pk}/override/",
         {"use": "plan", "plan": json.dumps(plan), "reason": "try"},
     )
-    assert response.status_code == 400
+    assert response.status_code == 200
     page = text(response)
     error = re.search(r'<p class="error" id="plan-error" role="alert">(.*?)</p>', page, re.S)
     assert error is not None and "<code>plan.pipelines[0].stages[1]" in error[1], error
@@ -219,7 +220,7 @@ def test_a_rejected_edited_plan_shows_the_cores_error_beside_the_field() -> None
     assert '"devices": [\n      5\n' in page or "[5]" in page.replace(" ", "")  # kept as typed
     assert RecoveryDecision.objects.get(pk=decision.pk).status == DecisionStatus.PROPOSED
     bad = operator.post(f"/recoveries/{decision.pk}/override/", {"use": "plan", "plan": "{"})
-    assert bad.status_code == 400 and "not JSON" in text(bad)
+    assert bad.status_code == 200 and "not JSON" in text(bad)
 
 
 def test_an_operator_overrides_with_another_candidate_or_an_edited_plan() -> None:
@@ -295,7 +296,7 @@ def test_what_if_errors_are_shown_beside_the_field() -> None:
     job, _ = create_job("what-bad", copy.deepcopy(SCENARIO))
     viewer = client_as("viewer")
     response = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "99"})
-    assert response.status_code == 400
+    assert response.status_code == 200
     assert "<code>devices</code>" in text(response) and 'aria-invalid="true"' in text(response)
     junk = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "a-b"})
     assert "not a device id" in text(junk)
@@ -337,7 +338,7 @@ def test_a_viewer_cannot_start_a_simulation_and_bad_input_is_named() -> None:
     form = {"job": job.pk, "policies": ["dynamic"], "hours": "1", "trace": "[1]"}
     assert client_as("viewer").post("/simulations/", form).status_code == 403
     response = client_as("operator").post("/simulations/", form)
-    assert response.status_code == 400 and "<code>trace</code>" in text(response)
+    assert response.status_code == 200 and "<code>trace</code>" in text(response)
     unknown = client_as("operator").post("/simulations/", {**form, "trace": "", "policies": ["x"]})
-    assert unknown.status_code == 400 and "policies" in text(unknown)
+    assert unknown.status_code == 200 and "policies" in text(unknown)
     assert not Sweep.objects.exists()

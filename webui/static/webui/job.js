@@ -118,7 +118,8 @@
     if (!window.Plotly) return;
     const shapes = markerShapes();
     for (const [id, key, title, unit] of charts) {
-      Plotly.react(id, [{ x: series.t, y: series[key], mode: "lines", line: { color: "#2457c5" }, name: title }], {
+      // copies: Plotly.react redraws only arrays it has not seen
+      Plotly.react(id, [{ x: series.t.slice(), y: series[key].slice(), mode: "lines", line: { color: "#2457c5" }, name: title }], {
         title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
         xaxis: { type: "date" }, yaxis: { title: { text: unit } }, shapes, showlegend: false,
       }, { displayModeBar: false, responsive: true });
@@ -136,8 +137,9 @@
     text("stat-rate", m.samples_per_s, 2, " samples/s");
     text("stat-time", m.step_time_s, 3, " s");
     text("stat-nodes", m.nodes_connected, 0, "");
-    if (m.step !== null && m.step !== undefined) {
-      series.t.push(new Date(m.at * 1000).toISOString());
+    const at = new Date(m.at * 1000).toISOString();
+    if (m.step !== null && m.step !== undefined && at !== series.t[series.t.length - 1]) {
+      series.t.push(at);
       series.loss.push(m.loss);
       series.rate.push(m.samples_per_s);
       series.time.push(m.step_time_s);

@@ -22,12 +22,12 @@
       error_y: { type: "data", symmetric: false,
         array: policies.map((p) => summary.share_of_ideal[p].ci95[1] - summary.share_of_ideal[p].mean),
         arrayminus: policies.map((p) => summary.share_of_ideal[p].mean - summary.share_of_ideal[p].ci95[0]) },
-    }], layout("Share of the ideal (95 % interval)", "policy", "share"), options);
+    }], layout("Share of the ideal (95 % interval)", "", "share"), options);
     const causes = Object.keys(summary.policies[policies[0]].downtime_by_cause_s_mean);
     Plotly.newPlot("chart-downtime", causes.map((c) => ({
       type: "bar", name: c, x: policies, y: policies.map((p) => summary.policies[p].downtime_by_cause_s_mean[c]),
       marker: { color: config.colours[c] },
-    })), { ...layout("Downtime by cause (mean)", "policy", "seconds"), barmode: "stack" }, options);
+    })), { ...layout("Downtime by cause (mean)", "", "seconds"), barmode: "stack", height: 340 }, options);
     const body = document.querySelector("#summary-table tbody");
     body.innerHTML = "";
     for (const p of policies) {

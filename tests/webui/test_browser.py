@@ -1,0 +1,299 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) against a real
+control plane in processes (tests/e2e/stack.py) with simulated agents: log in, watch a device
+fail, approve, override with an edited plan (a rejected edit first), export a timeline, run a
+small simulation, and a viewer who cannot approve. Every page is saved as a screenshot under
+var/test-artifacts/screenshots/.
+
+Needs /usr/bin/chromium: `./dev test` installs it (apt-get) when run as root; elsewhere these
+tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.stack import SCENARIO, Stack
+from tests.processes import REPO_ROOT
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = REPO_ROOT / "var" / "test-artifacts" / "screenshots"
+PASSWORD = "dashboard-pw-1"
+
+SETUP = """
+import json
+from django.contrib.auth.models import Group, User
+from django.utils import timezone
+from controlplane.incidents import decisions, tasks
+from controlplane.jobs.services import create_job
+scenario = json.loads(open({path!r}).read())
+made = {{}}
+for name, role in (("ops", "operator"), ("viv", "viewer")):
+    User.objects.create_user(name, password={password!r}).groups.add(Group.objects.get(name=role))
+live, token = create_job("live", scenario, approval_mode="auto", enabled_policies=["dynamic"])
+made["live"], made["agent_token"] = live.pk, token
+for name, device in (("approve-me", 5), ("override-me", 6)):
+    job, _ = create_job(name, scenario, approval_mode="manual",
+                        enabled_policies=["dynamic", "checkpoint"])
+    _, decision = decisions.record_failure(job, kind="crash", devices=[device], source="agent",
+                                           occurred_at=timezone.now(), plan=tasks.enqueue_planning)
+    made[name], made.setdefault("jobs", {{}})[name] = decision.pk, job.pk
+print(json.dumps(made))
+"""
+
+
+@dataclass
+class Site:
+    stack: Stack
+    made: dict[str, Any]
+    browser: Any
+    agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.stack.port}"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: ./dev test installs it when run as root")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    tmp = tmp_path_factory.mktemp("browser")
+    fast = json.loads(json.dumps(SCENARIO))
+    for layer in ("fwd_s", "bwd_s"):  # steps of a few hundredths of a second
+        fast["model"][layer] /= 100
+    scenario = tmp / "scenario.json"
+    scenario.write_text(json.dumps(fast))
+    stack = Stack(tmp)
+    stack.manage("migrate", "-v", "0")
+    stack.start("redis")  # before the setup, which queues the planning of two failures
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
+    agents: dict[int, subprocess.Popen[bytes]] = {}
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            made = json.loads(
+                stack.manage("shell", "-c", SETUP.format(path=str(scenario), password=PASSWORD))
+            )
+            for name in ("server", "worker", "detector"):
+                stack.start(name)
+            for node in (0, 1):
+                agents[node] = agent(stack, made["agent_token"], node, scenario)
+            yield Site(stack, made, browser, agents)
+        finally:
+            for process in agents.values():
+                if process.poll() is None:
+                    process.kill()
+            browser.close()
+            stack.stop_all()
+
+
+def agent(stack: Stack, token: str, node: int, scenario: Path) -> subprocess.Popen[bytes]:
+    log = (stack.tmp / f"sim-{node}.log").open("wb")
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "worker_agent", "simulate"),
+            *("--server", f"ws://127.0.0.1:{stack.port}", "--job", "live"),
+            *("--token", token, "--nodes", "1", "--first-node", str(node)),
+            *("--devices-per-node", "4", "--scenario", str(scenario), "--restore-s", "0.1"),
+        ],
+        env=stack.env,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+class Browser:
+    """One logged-in user's page, which fails the test on any console error."""
+
+    def __init__(self, site: Site, user: str, width: int = 1280, height: int = 800) -> None:
+        self.site = site
+        self.context = site.browser.new_context(viewport={"width": width, "height": height})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.go("/")
+        self.page.click("text=Log in to the dashboard")
+        self.page.fill("#id_username", user)
+        self.page.fill("#id_password", PASSWORD)
+        self.page.keyboard.press("Enter")  # the keyboard is enough
+        self.page.wait_for_selector("h1:has-text('Jobs')")
+
+    def go(self, path: str) -> Any:
+        return self.page.goto(self.site.url + path)
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.errors, self.errors
+
+
+def wait_proposed(user: Browser, decision: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        user.go(f"/recoveries/{decision}/")
+        if user.page.inner_text("#decision-status") == "proposed":
+            return
+        assert time.monotonic() < deadline, "the decision was never proposed"
+        time.sleep(0.5)
+
+
+def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
+    ops = Browser(site, "ops")
+    deadline = time.monotonic() + 45
+    while ops.page.locator("tr.attention").count() < 2:  # the manual jobs wait for approval
+        assert time.monotonic() < deadline, "no decision was proposed"
+        time.sleep(0.5)
+        ops.page.reload()
+    ops.shot("jobs")
+    ops.go(f"/jobs/{site.made['live']}/")
+    ops.page.wait_for_function(
+        "document.getElementById('stat-nodes').textContent === '2'"
+        " && Number(document.getElementById('stat-step').textContent) > 0",
+        timeout=45_000,
+    )
+    ops.page.wait_for_timeout(1500)  # a few points on the charts
+    ops.shot("job-live")
+    failed = ops.page.locator('[data-count="failed"]')
+    assert failed.inner_text() == "0"
+    site.agents[1].send_signal(signal.SIGKILL)  # its socket drops: node-1's devices 4-7 fail
+    started = time.monotonic()
+    ops.page.wait_for_function(
+        "document.querySelector('[data-count=\"failed\"]').textContent === '4'", timeout=5_000
+    )
+    took = time.monotonic() - started
+    assert took < 1.5, f"the grid showed the failure after {took:.2f} s"
+    ops.page.wait_for_timeout(800)
+    ops.shot("job-failed")
+    ops.page.focus("#grid")
+    for _ in range(5):
+        ops.page.keyboard.press("ArrowRight")
+    assert ops.page.inner_text("#grid-info") == "Device 5 on node-1: failed"
+    ops.close()
+
+
+def test_a_viewer_sees_no_button_and_the_server_refuses_anyway(site: Site) -> None:
+    viv = Browser(site, "viv")
+    decision = site.made["approve-me"]
+    wait_proposed(viv, decision)
+    viv.shot("recovery-viewer")
+    assert viv.page.locator("#approve").count() == 0
+    assert "needs the operator role" in viv.page.inner_text(".act")
+    token = next(c["value"] for c in viv.context.cookies() if c["name"] == "csrftoken")
+    refused = viv.context.request.post(
+        f"{site.url}/recoveries/{decision}/approve/", headers={"X-CSRFToken": token}
+    )
+    status = refused.status
+    assert status == 403
+    viv.close()
+
+
+def test_an_operator_approves_a_manual_jobs_decision(site: Site) -> None:
+    ops = Browser(site, "ops")
+    decision = site.made["approve-me"]
+    wait_proposed(ops, decision)
+    ops.shot("recovery-proposed")
+    ops.page.fill("#approve-reason", "checked the candidates")
+    ops.page.click("#approve")
+    ops.page.wait_for_selector("#decision-status:has-text('applying')")
+    assert ops.page.locator("#approve").count() == 0
+    assert "Approved by ops: checked the candidates" in ops.page.inner_text(".why")
+    ops.close()
+
+
+def test_an_operator_overrides_with_an_edited_plan_after_a_rejected_one(site: Site) -> None:
+    ops = Browser(site, "ops")
+    decision = site.made["override-me"]
+    wait_proposed(ops, decision)
+    proposal = json.loads(ops.page.input_value("#override-plan"))
+    bad = json.loads(json.dumps(proposal))
+    bad["pipelines"][0]["stages"][0]["devices"] = [6]  # the failed device
+    ops.page.check("#use-plan")
+    ops.page.fill("#override-plan", json.dumps(bad, indent=1))
+    ops.page.click("#override")
+    error = ops.page.wait_for_selector("#plan-error")
+    assert "plan.pipelines[0].stages[0]" in error.inner_text()
+    assert ops.page.get_attribute("#override-plan", "aria-invalid") == "true"
+    ops.page.locator("#plan-error").scroll_into_view_if_needed()
+    ops.shot("recovery-override-error")
+    ops.page.check("#use-plan")
+    ops.page.fill("#override-plan", json.dumps(proposal, indent=1))
+    ops.page.fill("#override-reason", "the proposal, by hand")
+    ops.page.click("#override")
+    ops.page.wait_for_selector("#decision-status:has-text('applying')")
+    assert "ops overrode the proposal with an edited plan" in ops.page.inner_text(".why")
+    ops.shot("recovery-overridden")
+    ops.close()
+
+
+def test_a_recovery_timeline_is_drawn_and_exported(site: Site) -> None:
+    ops = Browser(site, "ops")
+    ops.go(f"/jobs/{site.made['live']}/")
+    link = ops.page.wait_for_selector("#banner a, td a[href^='/recoveries/']", timeout=30_000)
+    ops.go(link.get_attribute("href"))
+    deadline = time.monotonic() + 45
+    while ops.page.inner_text("#decision-status") != "recovered":
+        assert time.monotonic() < deadline, "the auto job never recovered"
+        time.sleep(0.5)
+        ops.page.reload()
+    ops.page.wait_for_selector("#gantt .plot-container")
+    ops.shot("recovery-timeline")
+    exported = ops.context.request.get(site.url + ops.page.get_attribute("#export-json", "href"))
+    kinds = [e["kind"] for e in exported.json()["results"]]
+    assert kinds[0] == "failure_detected" and "recovered" in kinds
+    csv = ops.context.request.get(site.url + ops.page.get_attribute("#export-csv", "href"))
+    assert csv.text().startswith("id,at,kind,actor,decision,failure,payload")
+    ops.close()
+
+
+def test_what_if_and_a_small_simulation_run_to_completion(site: Site) -> None:
+    ops = Browser(site, "ops")
+    ops.go(f"/jobs/{site.made['jobs']['override-me']}/what-if/")
+    ops.page.fill("#devices", "1")
+    ops.page.click("text=Compare the policies")
+    ops.page.wait_for_selector("table.candidates")
+    ops.shot("what-if")
+    ops.go("/simulations/")
+    ops.page.select_option("#job", label="live")
+    for box in ops.page.locator("input[name=policies]").all():
+        box.set_checked(box.get_attribute("value") in ("dynamic", "checkpoint"))
+    ops.page.fill("#hours", "2")
+    ops.page.fill("#seeds", "2")
+    ops.page.fill("#name", "browser")
+    ops.page.click("text=Start the simulation")
+    ops.page.wait_for_selector("#sweep-status:has-text('done')", timeout=60_000)
+    ops.page.wait_for_selector("#chart-downtime .plot-container")
+    assert ops.page.locator("#summary-table tbody tr").count() == 2
+    ops.shot("simulation")
+    ops.go("/simulations/")
+    ops.shot("simulations")
+    ops.close()
+    narrow = Browser(site, "ops", width=390, height=844)
+    fits = "document.documentElement.scrollWidth <= window.innerWidth"
+    narrow.shot("jobs-narrow")
+    assert narrow.page.evaluate(fits)
+    for name, path in (("job", f"/jobs/{site.made['live']}/"),
+                       ("recovery", f"/recoveries/{site.made['override-me']}/")):  # fmt: skip
+        narrow.go(path)
+        narrow.page.wait_for_timeout(500)
+        narrow.shot(f"{name}-narrow")
+        assert narrow.page.evaluate(fits), f"the {name} page is wider than a phone"
+    narrow.close()
