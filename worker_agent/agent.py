@@ -640,7 +640,8 @@ class Agent:
         """Carry out one injection request; the answer for the requester."""
         kind = request["kind"]
         if kind == "drop":
-            return {"ok": self.uplink.drop(), "error": "no socket to drop"}
+            dropped = self.uplink.drop()
+            return {"ok": True} if dropped else {"ok": False, "error": "no socket to drop"}
         if kind not in faults.KINDS:
             return {"ok": False, "error": f"unknown kind {kind!r}"}
         rank = None

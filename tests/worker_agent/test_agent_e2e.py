@@ -238,6 +238,7 @@ def test_a_nan_loss_is_a_nan_fault(plane: Plane) -> None:
         inject("nan", "--agent", str(agent.pid), "--device", "0")
         failure = plane.failure("nan", "nan")
         assert failure["devices"] == [0] and "nan" in failure["message"], failure
+        print(f"nan injected -> nan on the failures API: {latency(failure, since):.3f} s")
         assert latency(failure, since) < BOUND_S
         time.sleep(0.5)  # the losses are finite again: one fault, the rank trains on
         assert [f["kind"] for f in plane.failures("nan")] == ["nan"]
