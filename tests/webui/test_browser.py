@@ -126,7 +126,7 @@ class Browser:
         self.context = site.browser.new_context(viewport={"width": width, "height": height})
         self.page = self.context.new_page()
         self.errors: list[str] = []
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("console", self.console)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.go("/")
         self.page.click("text=Log in to the dashboard")
@@ -134,6 +134,10 @@ class Browser:
         self.page.fill("#id_password", PASSWORD)
         self.page.keyboard.press("Enter")  # the keyboard is enough
         self.page.wait_for_selector("h1:has-text('Jobs')")
+
+    def console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
 
     def go(self, path: str) -> Any:
         return self.page.goto(self.site.url + path)

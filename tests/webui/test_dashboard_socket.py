@@ -1,0 +1,75 @@
+"""The dashboard's socket: readers only, the stored device states when they change and the live
+snapshot twice a second, one letter a device."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import AnonymousUser
+from django.utils import timezone
+
+from controlplane.incidents import decisions
+from controlplane.incidents.models import FailureSource
+from controlplane.jobs.services import create_job
+from controlplane.streaming.routing import browser_urlpatterns
+from tests.controlplane.test_api import SCENARIO, user
+from tests.controlplane.test_live import beat
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def communicator(job_id: int, who: Any) -> WebsocketCommunicator:
+    found = WebsocketCommunicator(URLRouter(browser_urlpatterns), f"/ws/dashboard/jobs/{job_id}/")
+    found.scope["user"] = who
+    return found
+
+
+async def next_of(socket: WebsocketCommunicator, kind: str) -> dict[str, Any]:
+    for _ in range(20):
+        message: dict[str, Any] = await socket.receive_json_from(timeout=3)
+        if message["type"] == kind:
+            return message
+    raise AssertionError(f"no {kind} message")
+
+
+def test_a_viewer_gets_device_states_and_the_live_snapshot() -> None:
+    job, _ = create_job("socket", copy.deepcopy(SCENARIO))
+    viewer = user("viewer")
+
+    async def scenario() -> None:
+        await beat(job.pk, [("node-0", 7, ["training"] * 3 + ["paused"])])
+        socket = communicator(job.pk, viewer)
+        connected, _ = await socket.connect()
+        assert connected
+        devices = await next_of(socket, "devices")
+        assert devices["states"] == "h" * 8 + "pp" and devices["decision"] is None
+        live = await next_of(socket, "live")
+        assert live["step"] == 7 and live["beats"] == "hhhr......"
+        await sync_to_async(decisions.record_failure)(
+            job, kind="crash", devices=[2], source=FailureSource.AGENT,
+            occurred_at=timezone.now(),
+        )  # fmt: skip
+        changed = await next_of(socket, "devices")  # within a period (0.5 s)
+        assert changed["states"][2] == "f" and changed["decision"]["status"] == "planning"
+        await socket.disconnect()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("who", ["anonymous", "no role"])
+def test_only_readers_may_watch(who: str) -> None:
+    job, _ = create_job("socket-closed", copy.deepcopy(SCENARIO))
+    person = AnonymousUser() if who == "anonymous" else user(None)
+
+    async def scenario() -> None:
+        socket = communicator(job.pk, person)
+        connected, _ = await socket.connect()
+        assert not connected
+
+    asyncio.run(scenario())
