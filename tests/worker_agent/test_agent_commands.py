@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from tests.worker_agent.helpers import ScriptedServer, carried_out, poll, start_agent
+from tests.processes import process_exists
+from tests.worker_agent.helpers import (
+    ScriptedServer,
+    carried_out,
+    children_of,
+    poll,
+    start_agent,
+)
+from worker_agent import faults
 
 PLAN = {
     "pipelines": [
@@ -184,3 +192,27 @@ def test_a_rank_that_fails_a_command_fails_its_ack(server: ScriptedServer, tmp_p
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=15) == 0
+
+
+def test_a_rank_that_closes_its_link_is_a_crash_and_is_killed(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
+    agent = start_agent(tmp_path, server=server.url, job="j", token="t",
+                        trainer=("--close-link-after", "5"))  # fmt: skip
+    try:
+        ranks = sorted(poll(lambda: len(children_of(agent.pid)) == 2 and children_of(agent.pid),
+                            "two ranks"))  # fmt: skip
+        fault = poll(lambda: server.of_type("fault"), "the fault")[0]
+        assert fault["kind"] == "crash" and fault["devices"] == [1], fault
+        assert "closed its link" in fault["message"], fault
+        poll(lambda: not process_exists(ranks[1]), "the silent rank killed", 5)
+        assert process_exists(ranks[0])
+        beat = poll(lambda: (b := server.last_beat()) and b["devices"][1]["state"] == "failed"
+                    and b, "device 1 failed in the heartbeats")  # fmt: skip
+        assert beat["devices"][0]["state"] == "training"
+        assert len(server.of_type("fault")) == 1, "its death is not reported again"
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0
+    assert not faults.control_path(agent.pid).exists(), "the control socket removed"
+    assert not [pid for pid in ranks if process_exists(pid)]

@@ -180,6 +180,20 @@ def test_a_healthy_run_is_quiet_and_sigterm_says_goodbye_and_leaves_no_child(
     assert "fault" not in log, log
 
 
+def test_an_agent_the_server_refuses_exits_and_leaves_no_child(plane: Plane) -> None:
+    tmp = plane.stack.tmp / "refused"
+    tmp.mkdir()
+    agent = start_agent(tmp, server=plane.url, job="quiet", token="wrong")
+    try:
+        assert agent.wait(timeout=20) == 1
+    finally:
+        stop(agent)
+    log = (tmp / "agent-node-0.log").read_text()
+    assert "unauthorised" in log and log.count("rank started") == 2, log
+    pids = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "rank started" in line]
+    assert not [pid for pid in pids if process_exists(pid)]
+
+
 def test_a_killed_rank_is_a_crash_within_a_bound_and_aborts_the_generation(plane: Plane) -> None:
     port = free_port()
     store = ("--store", f"127.0.0.1:{port}", "--serve-store")

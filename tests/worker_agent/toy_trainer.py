@@ -53,6 +53,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--refuse", help="answer this action with ok: false")
+    parser.add_argument(
+        "--close-link-after",
+        type=int,
+        help="close the link after this step on device 1 and go on without it",
+    )
     args = parser.parse_args()
     link = TrainerLink.from_env()
     state, step = "training", 0
@@ -67,6 +72,10 @@ def main() -> int:
             if link.injected("nan"):
                 loss = float("nan")
             link.report_step(step, loss, time.monotonic() - began, samples=8, memory_bytes=1e9)
+            if step == args.close_link_after and link.device == 1:
+                link.close()
+                while True:  # alive, but silent: only the link's end tells
+                    time.sleep(0.1)
         else:
             timeout = 0.1
         command = link.poll_command(timeout)
