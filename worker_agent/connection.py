@@ -220,7 +220,10 @@ class Uplink:
                     self.refused = frame
                     return False
             elif isinstance(frame, protocol.Command):
-                await self.on_command(frame)
+                try:
+                    await self.on_command(frame)
+                except Exception:  # a handler's bug loses that command, not the connection
+                    log.exception("%s: command %s failed", self.node, frame.id)
         return True  # the server closed the socket: connect again
 
 
