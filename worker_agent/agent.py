@@ -51,6 +51,7 @@ from worker_agent.connection import Uplink
 log = logging.getLogger("worker_agent.agent")
 AGENT_VERSION = "pitstop-agent 0.1"
 RECENT_STEPS = 20  # the step times a rank's median is taken over
+MAX_LAYERS = 100_000  # the most layers a plan may name when the model's count is not given
 
 
 @dataclass
@@ -173,7 +174,10 @@ def check_plan(
             for stage in pipe["stages"]:
                 ends.append(int(stage["layers"][1]))
                 devices.extend(int(d) for d in stage["devices"])
-    profile = ModelProfile.uniform(name="plan", layers=layers or max(ends), fwd_s=1, bwd_s=1)
+    # without the model's layer count, the plan's own last layer stands for it (every pipeline
+    # must end there), bounded: a stage past MAX_LAYERS is refused by the codec's range check
+    count = layers or min(max(ends), MAX_LAYERS)
+    profile = ModelProfile.uniform(name="plan", layers=count, fwd_s=1, bwd_s=1)
     cluster = Cluster(devices=max(max(devices), max(mine)) + 1)
     try:
         parsed = plan_from_dict(plan, profile=profile, cluster=cluster)
@@ -212,7 +216,6 @@ class Agent:
         self.finish = asyncio.Event()  # set: leave (signal, --seconds, stop, training finished)
         self.leave = asyncio.Event()  # set: the uplink says goodbye
         self.exit_code = 0
-        self.faults_sent: list[tuple[str, tuple[int, ...]]] = []
         self.store = Store(settings.store, serve=settings.serve_store) if settings.store else None
         url = settings.server.rstrip("/") + "/ws/agent/"
         self.uplink = Uplink(
@@ -430,7 +433,6 @@ class Agent:
         self, kind: protocol.FaultKind, devices: list[int], message: str, step: int | None = None
     ) -> None:
         log.warning("fault %s on %s: %s", kind.value, devices, message)
-        self.faults_sent.append((kind.value, tuple(devices)))
         self.uplink.fault(
             kind, devices, step=step if step is not None else self.last_step, message=message
         )

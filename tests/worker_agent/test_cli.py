@@ -106,5 +106,10 @@ def test_the_plan_check_refuses_a_dead_rank_and_takes_a_plan_without_this_node()
     short = agent.check_plan(apply(two), {0, 1}, set(), 12)
     assert short is not None and short.field == "plan.pipelines[0].stages"
     assert agent.check_plan(apply(two), {0, 1}, set(), 8) is None
+    huge = {
+        "pipelines": [{"stages": [{"devices": [0], "layers": [0, 10**12]}], "micro_batches": 1}]
+    }
+    past = agent.check_plan(apply(huge), {0, 1}, set(), None)
+    assert past is not None and past.field == "plan.pipelines[0].stages[0].layers"
     broken = agent.check_plan(apply({"pipelines": "no"}), {0, 1}, set(), None)
     assert broken is not None and broken.field == "plan.pipelines"
