@@ -53,9 +53,8 @@ def needs(minimum: Role) -> Callable[[View], View]:
             if not request.user.is_authenticated:
                 return redirect_to_login(request.get_full_path())
             if role(request) < minimum:
-                return HttpResponseForbidden(
-                    render(request, "webui/forbidden.html", {"needed": minimum.name.lower()})
-                )
+                context = {"needed": minimum.name.lower()}
+                return render(request, "webui/forbidden.html", context, status=403)
             return view(request, *args, **kwargs)
 
         return checked

@@ -12,6 +12,7 @@ from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
+from django.db import connections
 from django.utils import timezone
 
 from controlplane.incidents import decisions
@@ -58,6 +59,7 @@ def test_a_viewer_gets_device_states_and_the_live_snapshot() -> None:
         changed = await next_of(socket, "devices")  # within a period (0.5 s)
         assert changed["states"][2] == "f" and changed["decision"]["status"] == "planning"
         await socket.disconnect()
+        await sync_to_async(connections.close_all)()  # the database thread's, before teardown
 
     asyncio.run(scenario())
 
@@ -71,5 +73,6 @@ def test_only_readers_may_watch(who: str) -> None:
         socket = communicator(job.pk, person)
         connected, _ = await socket.connect()
         assert not connected
+        await sync_to_async(connections.close_all)()
 
     asyncio.run(scenario())
