@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
+from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.services import create_job
 from controlplane.streaming.routing import browser_urlpatterns
 from tests.controlplane.test_api import SCENARIO, user
@@ -42,6 +43,11 @@ async def next_of(socket: WebsocketCommunicator, kind: str) -> dict[str, Any]:
 def test_a_viewer_gets_device_states_and_the_live_snapshot() -> None:
     job, _ = create_job("socket", copy.deepcopy(SCENARIO))
     viewer = user("viewer")
+
+    key = snapshot.snapshot_key(job.pk)  # a job id of an earlier test run may have left these
+    stale = (liveness.seen_key(job.pk), liveness.frames_key(job.pk), key, f"{key}:last",
+             f"{key}:lock")  # fmt: skip
+    liveness.sync_client().delete(*stale)
 
     async def scenario() -> None:
         await beat(job.pk, [("node-0", 7, ["training"] * 3 + ["paused"])])
