@@ -1,0 +1,1 @@
+"""Tests of the reference trainer: model, data, engine, handover, launcher."""

@@ -1,0 +1,296 @@
+"""Process groups of one generation, and waits that an abort ends at once.
+
+A **generation** is the set of gloo process groups a job trains with under one plan. Its groups
+are built over a ``torch.distributed.TCPStore`` under the generation's key prefix, never as the
+global default group, so that after a fault the survivors build a fresh generation under a new
+prefix while the old one is simply abandoned. A device id (the core numbers devices 0..n-1) is a
+rank's identity across generations; inside a generation the rank of a device is its position in
+the sorted list of members.
+
+No call here blocks inside a collective. Collectives are issued async and waited on by polling
+their completion together with an abort event (a ``threading.Event`` set from outside, normally
+by an ``AbortWatcher`` that waits on the store key ``prefix + "abort"``). Gloo's point-to-point
+works report completion only through a blocking ``wait()``, so a ``Stream`` waits on them in a
+daemon thread, in the order the caller will need them, and the caller polls the stream. When
+the abort event is set every wait raises ``Aborted`` within a few milliseconds; when a peer's
+failure surfaces as an error of the transport, the generation sets its abort key first, so that
+every other member leaves too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# How often a wait looks at the abort event when nothing completes meanwhile.
+POLL_S = 0.002
+# How long an AbortWatcher's wait on the store lasts before it looks whether it was stopped
+# (each timeout logs a warning of c10d's socket layer, so not often).
+WATCH_S = 30.0
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+# Aborted generations, kept alive: destroying a gloo group joins threads that may still be
+# blocked on a dead peer until the group's timeout.
+_abandoned: list[object] = []
+
+
+class Aborted(RuntimeError):
+    """The generation was aborted: a peer failed, or the agent or another rank asked."""
+
+
+def abort_key(prefix: str) -> str:
+    return prefix + "abort"
+
+
+def request_abort(store: dist.Store, prefix: str, reason: str = "abort") -> None:
+    """Ask every member of the generation under ``prefix`` to leave its collectives."""
+    store.set(abort_key(prefix), reason)
+
+
+def connect(host: str, port: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """A client of the job's TCPStore."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+class AbortWatcher:
+    """Sets ``event`` when the store key ``prefix + "abort"`` appears.
+
+    It waits on its own store connection (a blocking wait would hold a shared client), in a
+    daemon thread; ``stop()`` returns at once, the thread ends within ``WATCH_S`` and never
+    touches the event after ``stop()``.
+    """
+
+    def __init__(self, host: str, port: int, prefix: str, event: threading.Event) -> None:
+        self.event = event
+        self._key = abort_key(prefix)
+        self._store = connect(host, port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"abort-watch {prefix}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.wait([self._key], timedelta(seconds=WATCH_S))
+            except RuntimeError:  # the wait timed out (DistStoreError), or the store went away
+                continue
+            if not self._stop.is_set():
+                self.event.set()
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Stream:
+    """Point-to-point works waited on in order by a daemon thread; the caller polls ``done``."""
+
+    def __init__(self, name: str) -> None:
+        self._works: list[Any] = []
+        self._tensors: list[torch.Tensor] = []  # kept alive until their work completes
+        self._cond = threading.Condition()
+        self.done = 0
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, work: Any, tensor: torch.Tensor) -> int:
+        with self._cond:
+            self._works.append(work)
+            self._tensors.append(tensor)
+            self._cond.notify_all()
+            return len(self._works) - 1
+
+    @property
+    def count(self) -> int:
+        with self._cond:
+            return len(self._works)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._works) and not self._closed:
+                    self._cond.wait()
+                if i >= len(self._works):
+                    return
+                work = self._works[i]
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the polling thread
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+            i += 1
+            with self._cond:
+                self.done = i
+                self._cond.notify_all()
+
+    def wait_for(self, count: int, abort: threading.Event) -> None:
+        """Return once ``count`` works completed; raise ``Aborted`` or the transport's error."""
+        with self._cond:
+            while self.done < count:
+                if self.error is not None:
+                    raise self.error
+                if abort.is_set():
+                    raise Aborted("aborted while waiting on a peer")
+                self._cond.wait(POLL_S)
+
+
+def wait_collective(work: Any, abort: threading.Event) -> None:
+    """Wait for an async collective by polling; raise ``Aborted`` as soon as ``abort`` is set."""
+    cond = threading.Condition()
+
+    def wake(_: Any) -> None:
+        with cond:
+            cond.notify_all()
+
+    work.get_future().add_done_callback(wake)
+    with cond:
+        while not work.is_completed():
+            if abort.is_set():
+                raise Aborted("aborted while waiting on a collective")
+            cond.wait(POLL_S)
+    work.wait()  # completed: returns at once, or raises the transport's error
+
+
+def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta) -> Any:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+
+
+def run_abortable(fn: Callable[[], Any], abort: threading.Event, what: str) -> Any:
+    """Run a blocking call (a group's rendezvous) in a daemon thread; leave it on abort."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the waiting thread
+            error.append(exc)
+        done.set()
+
+    threading.Thread(target=target, name=what, daemon=True).start()
+    while not done.wait(POLL_S):
+        if abort.is_set():
+            raise Aborted(f"aborted during {what}")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+class Generation:
+    """One generation's gloo groups among ``members``: the whole set and the given subsets.
+
+    ``subsets`` are the device sets that need a collective of their own (gradient-sync
+    segments); every member builds the same list, each only the groups it belongs to, in
+    sorted order so that no two members wait on each other's rendezvous.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        device: int,
+        members: Sequence[int],
+        abort: threading.Event,
+        *,
+        subsets: Sequence[Sequence[int]] = (),
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.device = device
+        self.members = tuple(sorted(set(members)))
+        if device not in self.members:
+            raise ValueError(f"device {device} is not a member of generation {prefix!r}")
+        self.abort = abort
+        self._rank = {d: r for r, d in enumerate(self.members)}
+        started = time.perf_counter()
+        self.world = run_abortable(
+            functools.partial(
+                _gloo, store, prefix + "pg/all/", self.rank, len(self.members), timeout
+            ),
+            abort,
+            "building the generation's group",
+        )
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for subset in sorted({tuple(sorted(set(s))) for s in subsets if len(set(s)) > 1}):
+            if device not in subset:
+                continue
+            if not set(subset) <= set(self.members):
+                raise ValueError(f"group {list(subset)} is not within the generation's members")
+            name = "-".join(map(str, subset))
+            self._groups[subset] = run_abortable(
+                functools.partial(
+                    _gloo, store, f"{prefix}pg/{name}/", subset.index(device), len(subset), timeout
+                ),
+                abort,
+                f"building group {name}",
+            )
+        self.build_s = time.perf_counter() - started
+
+    @property
+    def rank(self) -> int:
+        return self._rank[self.device]
+
+    def rank_of(self, device: int) -> int:
+        return self._rank[device]
+
+    def group(self, devices: Sequence[int]) -> Any:
+        """The group of a subset built at construction (all members: the whole set)."""
+        key = tuple(sorted(set(devices)))
+        return self.world if key == self.members else self._groups[key]
+
+    def fail(self, reason: str) -> None:
+        """A transport error: ask every member to leave, and leave."""
+        self.abort.set()
+        with contextlib.suppress(RuntimeError):  # the store is gone too; the agent sees it
+            request_abort(self.store, self.prefix, reason)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Keep the groups alive, never destroyed: threads may be blocked in them."""
+        _abandoned.append(self)
+
+    def guard(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; an error of the transport aborts the generation and raises ``Aborted``."""
+        try:
+            return fn()
+        except Aborted:
+            self.abandon()
+            raise
+        except RuntimeError as exc:
+            self.fail(f"device {self.device}: {exc}")
+            raise Aborted(f"a peer failed: {exc}") from exc
+
+    def stream(self, name: str) -> Stream:
+        return Stream(f"{name} {self.prefix}")
+
+    def send(self, stream: Stream, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        stream.add(self.world.send([tensor], self.rank_of(dst), tag), tensor)
+
+    def recv(self, stream: Stream, tensor: torch.Tensor, src: int, tag: int) -> int:
+        return stream.add(self.world.recv([tensor], self.rank_of(src), tag), tensor)
+
+    def all_reduce(self, devices: Sequence[int], tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the group of ``devices``."""
+        work = self.group(devices).allreduce([tensor])
+        wait_collective(work, self.abort)
