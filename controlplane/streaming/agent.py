@@ -34,7 +34,15 @@ from controlplane.incidents import applying, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness
-from controlplane.jobs.models import AgentToken, Device, Node, NodeStatus, heavy
+from controlplane.jobs.models import (
+    AgentToken,
+    Device,
+    Job,
+    JobStatus,
+    Node,
+    NodeStatus,
+    heavy,
+)
 from controlplane.streaming import hub
 from worker_agent import protocol
 from worker_agent.protocol import ErrorCode, ProtocolError
@@ -94,6 +102,8 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
             field="devices",
         )
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.HEALTHY)
+    # the first agent to arrive starts the job; a job recovering or failed keeps its status
+    Job.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(status=JobStatus.RUNNING)
     session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned))
     return session, applying.unfinished(node.pk)
 

@@ -20,7 +20,7 @@ from controlplane.asgi import application
 from controlplane.celery import app as celery_app
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs import detector, liveness
-from controlplane.jobs.models import Job, Node, NodeStatus
+from controlplane.jobs.models import Job, JobStatus, Node, NodeStatus
 from controlplane.jobs.services import create_job, issue_agent_token
 from worker_agent import protocol
 
@@ -115,6 +115,8 @@ async def test_heartbeats_go_to_redis_and_goodbye_leaves_quietly(
     node = await database_sync_to_async(Node.objects.get)(job=job, name="node-0")
     assert node.status == NodeStatus.LEFT
     assert not await database_sync_to_async(Failure.objects.exists)()
+    # the first hello started the job; leaving does not stop it (other nodes may train on)
+    assert (await database_sync_to_async(Job.objects.get)(pk=job.pk)).status == JobStatus.RUNNING
 
 
 async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
