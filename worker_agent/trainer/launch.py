@@ -74,7 +74,7 @@ class RunResult:
     steps: dict[int, list[StepResult]] = field(default_factory=dict)
     # (phase, device, step, time.time() when the rank left the aborted step)
     aborts: list[tuple[int, int, int, float]] = field(default_factory=list)
-    # (phase, device, killed, time.time() when the abort key was set)
+    # (phase, device, killed, time.time() just before the kill, or before the abort key was set)
     faults: list[tuple[int, int, bool, float]] = field(default_factory=list)
     # weights[phase][device][layer][parameter name]
     weights: dict[int, dict[int, dict[int, dict[str, np.ndarray]]]] = field(default_factory=dict)
@@ -228,10 +228,11 @@ def run_local(
                     pending.remove((i, fault))
                     faulted.add(fault.device)
                     time.sleep(fault.settle_s)
+                    at = time.time()
                     if fault.kill:
                         os.kill(procs[fault.device].pid or 0, signal.SIGKILL)
                     request_abort(store, f"gen{i}/", f"device {fault.device} failed")
-                    result.faults.append((i, fault.device, fault.kill, time.time()))
+                    result.faults.append((i, fault.device, fault.kill, at))
             try:
                 message = out.get(timeout=0.05)
             except queue_module.Empty:
