@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import datetime as dt
 import json
 import logging
@@ -38,6 +39,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -52,6 +54,7 @@ log = logging.getLogger("worker_agent.agent")
 AGENT_VERSION = "pitstop-agent 0.1"
 RECENT_STEPS = 20  # the step times a rank's median is taken over
 MAX_LAYERS = 100_000  # the most layers a plan may name when the model's count is not given
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -321,7 +324,11 @@ class Agent:
         )
         try:
             process = await asyncio.create_subprocess_exec(
-                *command, env=env, pass_fds=(child.fileno(),), start_new_session=True
+                *command,
+                env=env,
+                pass_fds=(child.fileno(),),
+                start_new_session=True,
+                preexec_fn=_die_with_the_agent,
             )
         finally:
             child.close()
@@ -666,6 +673,18 @@ class Agent:
         elif kind == "nan":
             rank.end.send(link.InjectMessage(kind="nan"))
         return {"ok": True, "device": rank.device, "pid": rank.pid}
+
+
+def _die_with_the_agent() -> None:
+    """In a rank, before it runs: the kernel kills it when the agent dies, even by SIGKILL.
+
+    A rank without its agent trains under a generation the control plane has planned away (the
+    agent's socket closed: its node failed), and nothing would ever stop it. Linux only; a rank
+    elsewhere is left to notice ``TrainerLink.agent_gone``.
+    """
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

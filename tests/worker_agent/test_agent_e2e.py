@@ -47,6 +47,7 @@ JOBS_MADE = [
     ("away", "manual"),
     ("drop", "manual"),
     ("recover", "auto"),
+    ("orphan", "manual"),
 ]
 # tight detectors for steps of 0.05 s: a hang after 1 s still, a straggler at 2.5 × for 3 steps
 DETECTORS = (
@@ -74,7 +75,9 @@ class Plane:
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.stack.port}"
 
-    def agent(self, job: str, *options: str, devices: str = "0,1") -> subprocess.Popen[bytes]:
+    def agent(
+        self, job: str, *options: str, devices: str = "0,1", trainer: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
         tmp = self.stack.tmp / job
         tmp.mkdir(exist_ok=True)
         return start_agent(
@@ -84,6 +87,7 @@ class Plane:
             token=self.jobs[job]["token"],
             devices=devices,
             options=options,
+            trainer=trainer,
         )
 
     def failures(self, job: str) -> list[dict[str, Any]]:
@@ -178,6 +182,20 @@ def test_a_healthy_run_is_quiet_and_sigterm_says_goodbye_and_leaves_no_child(
         stop(agent)
     log = (plane.stack.tmp / "quiet" / "agent-node-0.log").read_text()
     assert "fault" not in log, log
+
+
+def test_ranks_die_with_an_agent_killed_by_sigkill(plane: Plane) -> None:
+    agent = plane.agent("orphan", trainer=("--outlive-agent",))
+    try:
+        ranks = ranks_of(agent)
+        plane.stack.wait(lambda: plane.training("orphan"), "training")
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=20)
+        poll(lambda: not any(process_exists(pid) for pid in ranks), "the ranks gone")
+    finally:
+        stop(agent)
+    failure = plane.failure("orphan", "node_lost")  # the agent's socket closed: its node failed
+    assert {0, 1} <= set(failure["devices"]), failure
 
 
 def test_an_agent_the_server_refuses_exits_and_leaves_no_child(plane: Plane) -> None:

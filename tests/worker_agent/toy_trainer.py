@@ -58,11 +58,14 @@ def main() -> int:
         type=int,
         help="close the link after this step on device 1 and go on without it",
     )
+    parser.add_argument(
+        "--outlive-agent", action="store_true", help="go on training when the agent is gone"
+    )
     args = parser.parse_args()
     link = TrainerLink.from_env()
     state, step = "training", 0
     link.set_state(state)
-    while not link.agent_gone:
+    while args.outlive_agent or not link.agent_gone:
         timeout = 0.0
         if state == "training":
             began = time.monotonic()
