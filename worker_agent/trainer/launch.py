@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import queue as queue_module
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,15 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from worker_agent.trainer.comm import (
-    Aborted,
-    AbortWatcher,
-    Generation,
-    connect,
-    request_abort,
-)
+from worker_agent.trainer.comm import Aborted, request_abort
 from worker_agent.trainer.engine import StepResult, TrainConfig, TrainPlan, Worker
-from worker_agent.trainer.handover import handover, participants, transfers
+from worker_agent.trainer.rank import Rank
 
 HOST = "127.0.0.1"
 HANG_S = 3600.0
@@ -131,49 +124,35 @@ def _rank_phases(
     out: Any,
     collect_weights: bool,
 ) -> None:
-    store = connect(HOST, port)
-    worker = Worker(device, config)
-    step = 0
-    previous: TrainPlan | None = None
+    rank = Rank(device, HOST, port, config)
     live: set[int] = set()  # devices that ran the previous phase and did not fail
     for i, phase in enumerate(phases):
-        plan = TrainPlan.parse(phase.plan, config.model.layers, field=f"phases[{i}].plan")
         if phase.first_step is not None:
-            step = phase.first_step
-        carry = phase.carry and previous is not None
-        moves = transfers(previous.plan if previous else None, plan.plan, live) if carry else []
-        members = participants(moves, plan.plan)
-        live = set(members) - ({phase.fault.device} if phase.fault else set())
-        if device not in members:
-            previous = plan
-            continue
+            rank.step = phase.first_step
         prefix = f"gen{i}/"
-        abort = threading.Event()
-        watcher = AbortWatcher(HOST, port, prefix, abort)
-        gen = Generation(store, prefix, device, members, abort, subsets=plan.sync_groups())
-        out.put(("build", i, device, gen.build_s))
-        if carry:
-            handover(worker, gen, moves, plan)
-        else:
-            worker.adopt(plan)
-        for j in range(phase.steps if device in plan.held else 0):
+        rank.apply(phase.plan, prefix, live=live, fresh=not phase.carry)
+        live = set(TrainPlan.parse(phase.plan, config.model.layers).held) | set(live)
+        if phase.fault is not None:
+            live.discard(phase.fault.device)
+        if rank.generation is None:
+            continue
+        out.put(("build", i, device, rank.generation.build_s))
+        for j in range(phase.steps if rank.training else 0):
             if phase.fault is not None and (phase.fault.device, phase.fault.before_step) == (
                 device,
                 j,
             ):
-                store.set(prefix + "hanging", str(device))
+                rank.store.set(prefix + "hanging", str(device))
                 time.sleep(HANG_S)
             try:
-                result = worker.step(gen, plan, step)
+                result = rank.train_step()
             except Aborted:
-                out.put(("aborted", i, device, step, time.time()))
+                out.put(("aborted", i, device, rank.step, time.time()))
                 break
             out.put(("step", i, result))
-            step += 1
-        watcher.stop()
         if collect_weights:
-            out.put(("weights", i, device, _weights(worker)))
-        previous = plan
+            out.put(("weights", i, device, _weights(rank.worker)))
+        rank.leave()
 
 
 def run_local(

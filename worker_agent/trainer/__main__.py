@@ -1,0 +1,92 @@
+"""``python -m worker_agent.trainer local --devices 8 --plan FILE --steps N [--json OUT]``.
+
+Runs the reference trainer on this machine, one process per device over loopback, and prints a
+table of the steps: the loss (the global-batch mean) and the step time (the slowest rank's).
+FILE is a plan in the core's format or a scenario file (its ``plan`` is used, and its
+``training.micro_batch`` unless ``--micro-batch`` is given); the model gets the plan's number
+of layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from worker_agent.trainer.engine import TrainConfig
+from worker_agent.trainer.launch import Phase, run_local
+from worker_agent.trainer.model import ModelConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker_agent.trainer")
+    commands = parser.add_subparsers(dest="command", required=True)
+    local = commands.add_parser("local", help="train a plan with one process per device here")
+    local.add_argument("--plan", required=True, type=Path, help="plan or scenario JSON file")
+    local.add_argument("--devices", type=int, help="processes (default: the plan's devices)")
+    local.add_argument("--steps", type=int, default=5)
+    local.add_argument("--micro-batch", type=int, help="samples per micro-batch (default 2)")
+    local.add_argument("--d-model", type=int, default=64)
+    local.add_argument("--heads", type=int, default=4)
+    local.add_argument("--seq", type=int, default=64)
+    local.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    local.add_argument("--lr", type=float, default=1e-3)
+    local.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    local.add_argument("--json", type=Path, help="also write the steps to this file")
+    return parser
+
+
+def _read_plan(path: Path) -> tuple[dict[str, Any], int | None]:
+    data = json.loads(path.read_text())
+    if "plan" in data:
+        return data["plan"], data.get("training", {}).get("micro_batch")
+    return data, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    plan, scenario_micro_batch = _read_plan(args.plan)
+    layers = max(stage["layers"][1] for p in plan["pipelines"] for stage in p["stages"])
+    devices = args.devices or 1 + max(
+        d for p in plan["pipelines"] for stage in p["stages"] for d in stage["devices"]
+    )
+    micro_batch = args.micro_batch or scenario_micro_batch or 2
+    ffn = 8 * args.d_model // 3 // 8 * 8
+    model = ModelConfig(
+        layers=layers, d_model=args.d_model, heads=args.heads, ffn=ffn, seq=args.seq
+    )
+    config = TrainConfig(model=model, micro_batch=micro_batch, optimizer=args.optimizer, lr=args.lr)
+    result = run_local(devices, [Phase(plan, args.steps)], config, timeout_s=args.timeout)
+    losses, times = result.losses(0), result.step_times(0)
+    samples = sum(p["micro_batches"] for p in plan["pipelines"]) * micro_batch
+    print(f"{devices} devices, {layers} layers, {samples} samples per step", file=sys.stderr)
+    print(f"{'step':>5} {'loss':>9} {'step time':>10} {'samples/s':>10}")
+    for step in sorted(losses):
+        t = times[step]
+        print(f"{step:>5} {losses[step]:>9.4f} {t * 1e3:>8.1f}ms {samples / t:>10.1f}")
+    steady = [times[s] for s in sorted(times)[1:]] or list(times.values())
+    median = statistics.median(steady)
+    print(f"median step time after the first: {median * 1e3:.1f} ms")
+    if args.json:
+        builds = [b for _, _, b in result.builds]
+        report = {
+            "plan": plan,
+            "devices": devices,
+            "model": {"layers": layers, "d_model": args.d_model, "seq": args.seq},
+            "micro_batch": micro_batch,
+            "samples_per_step": samples,
+            "steps": [
+                {"step": s, "loss": losses[s], "step_time_s": times[s]} for s in sorted(losses)
+            ],
+            "median_step_time_s": median,
+            "generation_build_s": max(builds, default=0.0),
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""One device's trainer across generations: what the agent drives.
+
+```python
+rank = Rank(device=3, host="10.0.0.1", port=29500)   # a client of the job's TCPStore
+rank.apply(plan_dict, prefix="gen0/")                 # initial weights of its stage
+while running:
+    try:
+        result = rank.train_step()                    # StepResult: step, loss, step_time_s, ...
+    except Aborted:                                   # a peer failed: the step left no trace
+        rank.apply(new_plan_dict, prefix="gen1/", live=survivors)
+```
+
+``apply`` joins the generation of a plan under a fresh prefix: it builds the groups (every
+device of the plan, and every device that must send layers, calls it with the same arguments),
+starts an ``AbortWatcher`` on ``prefix + "abort"`` and, unless ``fresh``, moves the layers the
+new plan needs from the live holders under the previous plan (``handover.transfers``). A device
+that only sends layers, or has nothing to do with the new plan, returns holding nothing (every
+device may call ``apply``; one that takes no part builds no group).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from worker_agent.trainer.comm import (
+    DEFAULT_TIMEOUT,
+    AbortWatcher,
+    Generation,
+    connect,
+    request_abort,
+)
+from worker_agent.trainer.engine import StepResult, TrainConfig, TrainPlan, Worker
+from worker_agent.trainer.handover import handover, participants, transfers
+
+
+class Rank:
+    """A device's layers, its place in the current generation and the step counter."""
+
+    def __init__(
+        self,
+        device: int,
+        host: str,
+        port: int,
+        config: TrainConfig | None = None,
+        *,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.device = device
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self.config = config or TrainConfig()
+        self.store = connect(host, port, timeout=timeout)
+        self.worker = Worker(device, self.config)
+        self.plan: TrainPlan | None = None
+        self.generation: Generation | None = None
+        self.abort: threading.Event | None = None
+        self.step = 0  # the next step to run: the data's step number
+        self._watcher: AbortWatcher | None = None
+
+    @property
+    def training(self) -> bool:
+        """Whether this device runs a stage of the current plan."""
+        return self.plan is not None and self.device in self.plan.held
+
+    def apply(
+        self,
+        plan: Any,
+        prefix: str,
+        *,
+        live: Iterable[int] | None = None,
+        fresh: bool = False,
+        abort: threading.Event | None = None,
+    ) -> None:
+        """Join the generation that runs ``plan`` (the core's plan dict) under ``prefix``.
+
+        ``live``: the devices that may send layers (default: every device of the previous
+        plan). ``fresh``: start from the initial weights instead. ``abort``: an event the agent
+        may set itself; the generation's watcher sets it too. Raises ``comm.Aborted`` if the
+        new generation is aborted while it is built or while layers move.
+        """
+        new = TrainPlan.parse(plan, self.config.model.layers)
+        old = None if fresh else self.plan
+        alive = set(old.held if old else ()) if live is None else set(live)
+        moves = transfers(old.plan, new.plan, alive) if old is not None else []
+        members = participants(moves, new.plan)
+        self.leave()
+        if self.device not in members:  # neither a stage nor a layer to send: idle
+            self.worker.layers, self.worker.optimizers = {}, {}
+            self.plan = new
+            return
+        self.abort = abort or threading.Event()
+        self._watcher = AbortWatcher(self.host, self.port, prefix, self.abort)
+        self.generation = Generation(
+            self.store,
+            prefix,
+            self.device,
+            members,
+            self.abort,
+            subsets=new.sync_groups(),
+            timeout=self.timeout,
+        )
+        if old is None:
+            self.worker.adopt(new)
+        else:
+            handover(self.worker, self.generation, moves, new)
+        self.plan = new
+
+    def train_step(self) -> StepResult:
+        """One step of the current plan; the counter moves on only if it completed."""
+        if self.plan is None or self.generation is None or not self.training:
+            raise RuntimeError(f"device {self.device} has no stage in the current plan")
+        result = self.worker.step(self.generation, self.plan, self.step)
+        self.step += 1
+        return result
+
+    def request_abort(self, reason: str = "abort") -> None:
+        """Make every member of the current generation leave its collectives."""
+        if self.generation is not None:
+            request_abort(self.store, self.generation.prefix, reason)
+
+    def leave(self) -> None:
+        """Stop watching the current generation; its groups are left to the garbage collector,
+        or kept for good if it was aborted (threads may still wait in them)."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self.generation is not None and self.abort is not None and self.abort.is_set():
+            self.generation.abandon()
+        self.generation = None
