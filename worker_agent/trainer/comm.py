@@ -46,6 +46,10 @@ class Aborted(RuntimeError):
     """The generation was aborted: a peer failed, or the agent or another rank asked."""
 
 
+class TransportError(RuntimeError):
+    """A send, receive or collective failed in gloo (a peer's socket closed, a timeout)."""
+
+
 def abort_key(prefix: str) -> str:
     return prefix + "abort"
 
@@ -146,7 +150,7 @@ class Stream:
         with self._cond:
             while self.done < count:
                 if self.error is not None:
-                    raise self.error
+                    raise TransportError(str(self.error)) from self.error
                 if abort.is_set():
                     raise Aborted("aborted while waiting on a peer")
                 self._cond.wait(POLL_S)
@@ -166,7 +170,10 @@ def wait_collective(work: Any, abort: threading.Event) -> None:
             if abort.is_set():
                 raise Aborted("aborted while waiting on a collective")
             cond.wait(POLL_S)
-    work.wait()  # completed: returns at once, or raises the transport's error
+    try:
+        work.wait()  # completed: returns at once, or raises the transport's error
+    except RuntimeError as exc:
+        raise TransportError(str(exc)) from exc
 
 
 def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta) -> Any:
@@ -232,7 +239,7 @@ class Generation:
         )
         self._groups: dict[tuple[int, ...], Any] = {}
         for subset in sorted({tuple(sorted(set(s))) for s in subsets if len(set(s)) > 1}):
-            if device not in subset:
+            if device not in subset or subset == self.members:
                 continue
             if not set(subset) <= set(self.members):
                 raise ValueError(f"group {list(subset)} is not within the generation's members")
@@ -270,13 +277,16 @@ class Generation:
         _abandoned.append(self)
 
     def guard(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``; an error of the transport aborts the generation and raises ``Aborted``."""
+        """Run ``fn``; an error of the transport aborts the generation and raises ``Aborted``.
+
+        Any other error (a bug, a bad shape) goes through unchanged.
+        """
         try:
             return fn()
         except Aborted:
             self.abandon()
             raise
-        except RuntimeError as exc:
+        except TransportError as exc:
             self.fail(f"device {self.device}: {exc}")
             raise Aborted(f"a peer failed: {exc}") from exc
 
@@ -285,12 +295,26 @@ class Generation:
 
     def send(self, stream: Stream, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        stream.add(self.world.send([tensor], self.rank_of(dst), tag), tensor)
+        try:
+            work = self.world.send([tensor], self.rank_of(dst), tag)
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+        stream.add(work, tensor)
 
     def recv(self, stream: Stream, tensor: torch.Tensor, src: int, tag: int) -> int:
-        return stream.add(self.world.recv([tensor], self.rank_of(src), tag), tensor)
+        try:
+            work = self.world.recv([tensor], self.rank_of(src), tag)
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+        return stream.add(work, tensor)
 
     def all_reduce(self, devices: Sequence[int], tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place over the group of ``devices``."""
-        work = self.group(devices).allreduce([tensor])
+        """Sum ``tensor`` in place over the group of ``devices`` (nothing to do for one)."""
+        if len(set(devices)) < 2:
+            return
+        group = self.group(devices)
+        try:
+            work = group.allreduce([tensor])
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
         wait_collective(work, self.abort)

@@ -17,7 +17,7 @@ A step, on every device of the plan:
    held by the same devices) over the devices holding it, round by round. Each holder then has
    the gradient of the global-batch mean loss.
 3. Sums the devices' shares of the loss (nonzero on last stages only) in one scalar all-reduce
-   over the generation: every rank returns the global-batch mean loss.
+   over the plan's devices: every rank returns the global-batch mean loss.
 4. Steps every layer's optimizer.
 
 An abort (``comm.Aborted``) leaves the weights and optimizer state as they were before the step,
@@ -133,13 +133,15 @@ class TrainPlan:
         return self.plan.pipelines[0].stages[-1].layers[1]
 
     def sync_groups(self) -> list[tuple[int, ...]]:
-        """Device sets that all-reduce a segment: the generation's subgroups."""
-        return [
+        """Device sets with a collective of their own: every sync segment's holders, and all
+        the plan's devices (the loss; a generation may also hold devices that only send)."""
+        segments = [
             tuple(sorted(d for g in seg.groups for d in g))
             for round_ in self.rounds
             for seg in round_
             if len(seg.groups) > 1
         ]
+        return [*segments, tuple(self.devices)]
 
     def tag(self, op: Op) -> int:
         """The tag of the message an operation receives: unique within one step."""
@@ -248,7 +250,7 @@ class Worker:
             loss_share = gen.guard(lambda: self._passes(gen, plan, step))
             gen.guard(lambda: self._sync_gradients(gen, plan))
             total = torch.tensor([loss_share], dtype=torch.float64)
-            gen.guard(lambda: gen.all_reduce(gen.members, total))
+            gen.guard(lambda: gen.all_reduce(plan.devices, total))
         except BaseException:
             self.zero_grad()
             raise
