@@ -1,10 +1,13 @@
 """Training under several plans equals one process training the whole model on the whole batch.
 
-One launch of 4 ranks runs three plans one after the other, each from the initial weights and
+One launch of 4 ranks runs five plans one after the other, each from the initial weights and
 each under a generation of its own: PP2 × DP2; an asymmetric plan (a 3-stage pipeline with an
-uneven layer split and 3 micro-batches beside a 1-stage pipeline with 1); and the rerouting plan
-the core makes for PP2 × DP2 when device 3 fails. SGD makes the weights after a step a linear
-function of the gradient, so a gradient summed over the wrong devices or scaled wrongly shows.
+uneven layer split and 3 micro-batches beside a 1-stage pipeline with 1); and three rerouting
+plans: the core's for PP2 × DP2 when device 3 fails, and when devices 1 and 2 fail (devices 0
+and 3 each run the other pipeline's lost stage, the first stage rerouted too), and a third
+pipeline lost whole, its 2 micro-batches spread over both replicas of each stage. SGD makes
+the weights after a step a linear function of the gradient, so a gradient summed over the wrong
+devices or scaled wrongly shows.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controlplane.recovery.codec import plan_to_dict
+from controlplane.recovery.policies.rerouting import reroute
 from tests.worker_agent.trainer.reference import (
     Reference,
     assert_weights_close,
@@ -21,7 +26,7 @@ from tests.worker_agent.trainer.reference import (
     stage,
     train_reference,
 )
-from worker_agent.trainer.engine import TrainConfig
+from worker_agent.trainer.engine import TrainConfig, TrainPlan
 from worker_agent.trainer.launch import Phase, RunResult, run_local
 
 CONFIG = TrainConfig(optimizer="sgd", lr=0.5)
@@ -39,7 +44,26 @@ PLANS = {
         pipeline(2, stage(2, 0, 4), rerouted([1], 4, 8)),
         family="rerouting",
     ),
+    "crossed": plan(
+        pipeline(2, stage(0, 0, 4), rerouted([3], 4, 8)),
+        pipeline(2, rerouted([0], 0, 4), stage(3, 4, 8)),
+        family="rerouting",
+    ),
+    "spread": plan(
+        pipeline(1, stage(0, 0, 4), stage(1, 4, 8)),
+        pipeline(1, stage(2, 0, 4), stage(3, 4, 8)),
+        pipeline(2, rerouted([0, 2], 0, 4), rerouted([1, 3], 4, 8)),
+        family="rerouting",
+    ),
 }
+
+
+def test_the_rerouting_plans_are_the_cores() -> None:
+    pp2_dp2 = TrainPlan.parse(PLANS["pp2-dp2"], 8).plan
+    for name, failed in (("rerouting", {3}), ("crossed", {1, 2})):
+        rerouted_plan = reroute(pp2_dp2, frozenset(failed))
+        assert not isinstance(rerouted_plan, str)
+        assert plan_to_dict(rerouted_plan) == PLANS[name]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +103,10 @@ def test_every_rank_reports_the_same_loss(run: RunResult, phase: int) -> None:
     assert all(len(v) == 1 for v in by_step.values()), by_step
 
 
-@pytest.mark.parametrize("phase", range(len(PLANS)), ids=list(PLANS))
+REPLICATED = [i for i, name in enumerate(PLANS) if name != "crossed"]
+
+
+@pytest.mark.parametrize("phase", REPLICATED, ids=[list(PLANS)[i] for i in REPLICATED])
 def test_replicas_of_a_layer_hold_identical_weights(run: RunResult, phase: int) -> None:
     holders: dict[int, list[int]] = {}
     for device, layers in run.weights[phase].items():
