@@ -82,9 +82,12 @@ class AbortWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self._store.wait([self._key], timedelta(seconds=WATCH_S))
             except RuntimeError:  # the wait timed out (DistStoreError), or the store went away
+                if time.monotonic() - started < 1.0:  # an error at once: do not spin on it
+                    self._stop.wait(1.0)
                 continue
             if not self._stop.is_set():
                 self.event.set()

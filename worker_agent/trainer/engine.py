@@ -376,6 +376,15 @@ class Worker:
         parts = [p.detach().reshape(-1) for p in params] + moments + [torch.tensor(steps)]
         return torch.cat(parts).to(torch.float32)
 
+    def export_layers(self, first: int, end: int) -> dict[int, torch.Tensor]:
+        """``export_layer`` of every layer of [first, end)."""
+        return {k: self.export_layer(k) for k in range(first, end)}
+
+    def import_layers(self, states: dict[int, torch.Tensor]) -> None:
+        """``import_layer`` of every (layer, state) given."""
+        for k, flat in states.items():
+            self.import_layer(k, flat)
+
     def state_numel(self, index: int) -> int:
         """Size of ``export_layer(index)``, known to a rank that does not hold the layer."""
         shapes = [p.numel() for p in build_layer(self.config.model, index).parameters()]
