@@ -1,6 +1,6 @@
 """One rank's training under an execution plan: pipeline × data parallel, 1F1B, rerouting.
 
-``TrainPlan.parse(plan_dict, config)`` reads a plan in the core's format (``codec.plan_to_dict``)
+``TrainPlan.parse(plan_dict, layers)`` reads a plan in the core's format (``codec.plan_to_dict``)
 and refuses what the trainer cannot run (tp > 1, a rerouted stage on a device that does not hold
 its layers). ``Worker(device, config)`` holds the layers of its own stage with one AdamW per
 layer; ``Worker.step(generation, plan, step)`` runs one step and returns its ``StepResult``.
@@ -26,19 +26,16 @@ with the step's gradients dropped, so a survivor can run the same step again und
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from controlplane.recovery.codec import plan_from_dict
 from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds
 from controlplane.recovery.model import Cluster, ExecutionPlan, ModelProfile
-from worker_agent.trainer.comm import DEFAULT_TIMEOUT, Generation
+from worker_agent.trainer.comm import Aborted, Generation
 from worker_agent.trainer.data import Corpus
 from worker_agent.trainer.model import Layer, ModelConfig, build_layer, loss_of, run_layers
 from worker_agent.trainer.schedule import Op, build_schedule, executor
@@ -150,21 +147,6 @@ class TrainPlan:
         return ((op.pipeline * stages + op.stage) * micros + op.micro) * 2 + int(op.backward)
 
 
-def generation_for(
-    plan: TrainPlan,
-    store: dist.Store,
-    prefix: str,
-    device: int,
-    abort: threading.Event,
-    *,
-    timeout: timedelta = DEFAULT_TIMEOUT,
-) -> Generation:
-    """The generation of groups a plan trains with: its devices, and its sync groups."""
-    return Generation(
-        store, prefix, device, plan.devices, abort, subsets=plan.sync_groups(), timeout=timeout
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """One step as one rank saw it: the global-batch mean loss is the same on every rank."""
@@ -245,6 +227,8 @@ class Worker:
     def step(self, gen: Generation, plan: TrainPlan, step: int) -> StepResult:
         """One training step of the plan on this device; raises ``comm.Aborted`` on abort."""
         self._check(plan)
+        if gen.abort.is_set():  # a plan of one device has no collective that would notice
+            raise Aborted("the generation was aborted before the step")
         started = time.perf_counter()
         try:
             loss_share = gen.guard(lambda: self._passes(gen, plan, step))
