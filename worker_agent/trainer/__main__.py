@@ -1,7 +1,12 @@
-"""``python -m worker_agent.trainer local --devices 8 --plan FILE --steps N [--json OUT]``.
+"""The reference trainer's commands.
 
-Runs the reference trainer on this machine, one process per device over loopback, and prints a
-table of the steps: the loss (the global-batch mean) and the step time (the slowest rank's).
+``python -m worker_agent.trainer local --devices 8 --plan FILE --steps N [--json OUT]`` runs it on
+this machine, one process per device over loopback, and prints a table of the steps: the loss
+(the global-batch mean) and the step time (the slowest rank's).
+
+``python -m worker_agent.trainer rank --plan FILE`` is one rank under the agent
+(``serve.py``): the agent gives it its device, the store and the generation.
+
 FILE is a plan in the core's format or a scenario file (its ``plan`` is used, and its
 ``training.micro_batch`` unless ``--micro-batch`` is given); the model gets the plan's number
 of layers.
@@ -11,32 +16,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from worker_agent.link import TrainerLink
 from worker_agent.trainer.engine import TrainConfig
 from worker_agent.trainer.launch import Phase, run_local
 from worker_agent.trainer.model import ModelConfig
+from worker_agent.trainer.serve import serve
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, type=Path, help="plan or scenario JSON file")
+    parser.add_argument("--micro-batch", type=int, help="samples per micro-batch (default 2)")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--lr", type=float, default=1e-3)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker_agent.trainer")
     commands = parser.add_subparsers(dest="command", required=True)
     local = commands.add_parser("local", help="train a plan with one process per device here")
-    local.add_argument("--plan", required=True, type=Path, help="plan or scenario JSON file")
+    _model_options(local)
     local.add_argument("--devices", type=int, help="processes (default: the plan's devices)")
     local.add_argument("--steps", type=int, default=5)
-    local.add_argument("--micro-batch", type=int, help="samples per micro-batch (default 2)")
-    local.add_argument("--d-model", type=int, default=64)
-    local.add_argument("--heads", type=int, default=4)
-    local.add_argument("--seq", type=int, default=64)
-    local.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    local.add_argument("--lr", type=float, default=1e-3)
     local.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     local.add_argument("--json", type=Path, help="also write the steps to this file")
+    rank = commands.add_parser("rank", help="one rank under the agent (or alone, with --device)")
+    _model_options(rank)
+    rank.add_argument("--device", type=int, help="without an agent: this rank's device")
+    rank.add_argument("--store", help="without an agent: HOST:PORT of the job's TCPStore")
+    rank.add_argument("--steps", type=int, help="stop after this many steps (default: never)")
     return parser
+
+
+def _config(args: argparse.Namespace, plan: dict[str, Any], micro_batch: int | None) -> TrainConfig:
+    layers = max(stage["layers"][1] for p in plan["pipelines"] for stage in p["stages"])
+    ffn = (8 * args.d_model // 3 + 7) // 8 * 8  # about 8/3 of d_model, a multiple of 8
+    model = ModelConfig(
+        layers=layers, d_model=args.d_model, heads=args.heads, ffn=ffn, seq=args.seq
+    )
+    return TrainConfig(
+        model=model,
+        micro_batch=args.micro_batch or micro_batch or 2,
+        optimizer=args.optimizer,
+        lr=args.lr,
+    )
+
+
+def _rank(args: argparse.Namespace) -> int:
+    plan, scenario_micro_batch = _read_plan(args.plan)
+    config = _config(args, plan, scenario_micro_batch)
+    link = TrainerLink.from_env()
+    device = link.device if link.device is not None else args.device
+    store = link.store or args.store
+    if device is None or store is None:
+        print("rank: no agent: give --device and --store", file=sys.stderr)
+        return 2
+    host, _, port = store.rpartition(":")
+    torch.set_num_threads(1)
+    code = serve(link, plan, config, host=host, port=int(port), device=device, max_steps=args.steps)
+    sys.stdout.flush()
+    os._exit(code)  # never wait on the threads of abandoned groups
 
 
 def _read_plan(path: Path) -> tuple[dict[str, Any], int | None]:
@@ -48,17 +97,14 @@ def _read_plan(path: Path) -> tuple[dict[str, Any], int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "rank":
+        return _rank(args)
     plan, scenario_micro_batch = _read_plan(args.plan)
-    layers = max(stage["layers"][1] for p in plan["pipelines"] for stage in p["stages"])
+    config = _config(args, plan, scenario_micro_batch)
+    layers, micro_batch = config.model.layers, config.micro_batch
     devices = args.devices or 1 + max(
         d for p in plan["pipelines"] for stage in p["stages"] for d in stage["devices"]
     )
-    micro_batch = args.micro_batch or scenario_micro_batch or 2
-    ffn = 8 * args.d_model // 3 // 8 * 8
-    model = ModelConfig(
-        layers=layers, d_model=args.d_model, heads=args.heads, ffn=ffn, seq=args.seq
-    )
-    config = TrainConfig(model=model, micro_batch=micro_batch, optimizer=args.optimizer, lr=args.lr)
     result = run_local(devices, [Phase(plan, args.steps)], config, timeout_s=args.timeout)
     losses, times = result.losses(0), result.step_times(0)
     samples = sum(p["micro_batches"] for p in plan["pipelines"]) * micro_batch

@@ -77,14 +77,15 @@ class Rank:
     ) -> None:
         """Join the generation that runs ``plan`` (the core's plan dict) under ``prefix``.
 
-        ``live``: the devices that may send layers (default: every device of the previous
-        plan). ``fresh``: start from the initial weights instead. ``abort``: an event the agent
-        may set itself; the generation's watcher sets it too. Raises ``comm.Aborted`` if the
-        new generation is aborted while it is built or while layers move.
+        ``live``: the devices that may send layers (default: those of both the previous plan
+        and the new one). ``fresh``: start from the initial weights instead. ``abort``: an
+        event the agent may set itself; the generation's watcher sets it too. Raises
+        ``comm.Aborted`` if the new generation is aborted while it is built or layers move.
         """
         new = TrainPlan.parse(plan, self.config.model.layers)
         old = None if fresh else self.plan
-        alive = set(old.held if old else ()) if live is None else set(live)
+        # a device of the new plan is alive by construction; one left out of it may be dead
+        alive = set(old.held if old else ()) & set(new.held) if live is None else set(live)
         moves = transfers(old.plan, new.plan, alive) if old is not None else []
         members = participants(moves, new.plan)
         self.leave()

@@ -1,0 +1,172 @@
+"""A rank under the agent: the reference trainer's training loop over ``TrainerLink``.
+
+    python -m worker_agent run ... -- python -m worker_agent.trainer rank --plan FILE
+
+The agent starts one such process per device and gives it its device, the job's store and the
+generation (``PITSTOP_DEVICE``, ``PITSTOP_STORE``, ``PITSTOP_GENERATION``; docs/trainer.md,
+"The agent"). The rank trains the plan of FILE from the initial weights, reports every step,
+and carries out the agent's commands:
+
+- ``apply_plan``: join the new generation and move the layers the new plan needs from their
+  holders (``Rank.apply``; the holders asked are the devices of both plans), then train on from
+  ``step`` when the command gives one. A step in progress is left first: at once when the
+  generation is aborted (the agent sets ``<generation>abort`` when a rank dies or hangs), or
+  after a grace of a few step times when it is not (peers that already moved on).
+- ``pause`` / ``resume`` (``resume`` may give the step to go on from); ``stop`` ends the rank.
+- ``restore`` is refused: the reference trainer keeps no checkpoint.
+
+A plan the trainer cannot run (tp > 1, a layer with no live holder) is refused with the field
+at fault, and the rank keeps its state.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.recovery.errors import RecoveryError
+from worker_agent.link import CommandMessage, LinkError, TrainerLink
+from worker_agent.trainer.comm import Aborted
+from worker_agent.trainer.engine import PlanNotSupported, TrainConfig, TrainPlan
+from worker_agent.trainer.handover import NoHolder
+from worker_agent.trainer.rank import Rank
+
+# A command that needs the rank out of its step waits this many step times (and at least
+# GRACE_FLOOR_S) for the step to end by itself before it aborts it.
+GRACE_STEPS = 3.0
+GRACE_FLOOR_S = 1.0
+PREEMPTING = ("apply_plan", "stop")
+
+
+@dataclass
+class _Pump:
+    """Moves the agent's commands into a queue; a preempting one aborts a step stuck too long.
+
+    ``pending`` is set while a preempting command waits in the queue (the loop clears it when it
+    takes one): if the loop is in a step meanwhile, the step gets the grace, then the abort.
+    """
+
+    link: TrainerLink
+    rank: Rank
+    commands: queue.Queue[CommandMessage | None]
+    in_step: threading.Event
+    pending: threading.Event
+    last_step_s: float = 0.0
+
+    def run(self) -> None:
+        for command in self.link.commands():
+            if command.action in PREEMPTING:
+                self.pending.set()
+            self.commands.put(command)
+            deadline: float | None = None
+            while self.pending.is_set():
+                if not self.in_step.is_set():
+                    deadline = None
+                elif deadline is None:
+                    deadline = time.monotonic() + max(GRACE_FLOOR_S, GRACE_STEPS * self.last_step_s)
+                elif time.monotonic() >= deadline and self.rank.abort is not None:
+                    self.rank.abort.set()
+                    break
+                time.sleep(0.01)
+        self.commands.put(None)
+
+
+def serve(
+    link: TrainerLink,
+    plan: Any,
+    config: TrainConfig,
+    *,
+    host: str,
+    port: int,
+    device: int,
+    max_steps: int | None = None,
+) -> int:
+    """Train ``plan`` and carry out the agent's commands until ``stop`` or the agent is gone
+    (without an agent: until ``max_steps``)."""
+    rank = Rank(device, host, port, config)
+    link.set_state("restoring")
+    rank.apply(plan, link.generation, fresh=True)
+    state = "training" if rank.training else "idle"
+    link.set_state(state)
+    commands: queue.Queue[CommandMessage | None] = queue.Queue()
+    in_step, pending = threading.Event(), threading.Event()
+    pump = _Pump(link, rank, commands, in_step, pending)
+    if link.active:
+        threading.Thread(target=pump.run, name="commands", daemon=True).start()
+    while max_steps is None or rank.step < max_steps:
+        training = state == "training" and rank.training
+        try:
+            command = commands.get(timeout=0 if training else 0.1)
+        except queue.Empty:
+            command = None
+        else:
+            if command is None:  # the agent is gone
+                return 0
+            if command.action in PREEMPTING:
+                pending.clear()
+            state = _carry_out(link, rank, command, state)
+            if command.action == "stop":
+                return 0
+            continue
+        if not training:
+            if not link.active:
+                return 0  # alone, with nothing to train
+            continue
+        in_step.set()
+        try:
+            result = rank.train_step()
+        except Aborted:
+            state = "idle"  # the step left no trace; a new plan comes
+            link.set_state(state)
+            continue
+        finally:
+            in_step.clear()
+        pump.last_step_s = result.step_time_s
+        link.report_step(result.step, result.loss, result.step_time_s, samples=result.samples)
+    return 0
+
+
+def _carry_out(link: TrainerLink, rank: Rank, command: CommandMessage, state: str) -> str:
+    """Carry out one command; the state the rank is in after it."""
+    action = command.action
+    if action == "apply_plan":
+        if command.plan is None:
+            link.done(
+                command.id, False, LinkError(message="apply_plan without a plan", field="plan")
+            )
+            return state
+        try:
+            new = TrainPlan.parse(command.plan, rank.config.model.layers)
+            live = set(rank.plan.held if rank.plan else ()) & set(new.held)
+            link.set_state("restoring")
+            rank.apply(command.plan, command.generation, live=live)
+        except (PlanNotSupported, RecoveryError, NoHolder) as exc:
+            field = getattr(exc, "field", None) or "plan"
+            link.done(command.id, False, LinkError(message=str(exc), field=field))
+            link.set_state(state)
+            return state
+        except Aborted as exc:
+            link.done(command.id, False, LinkError(code="aborted", message=str(exc)))
+            link.set_state("idle")
+            return "idle"
+        if command.step is not None:
+            rank.step = command.step
+        state = "training" if rank.training else "idle"
+    elif action == "pause":
+        state = "paused"
+    elif action == "resume":
+        if command.step is not None:
+            rank.step = command.step
+        state = "training" if rank.training else "idle"
+    elif action == "restore":
+        message = "the reference trainer keeps no checkpoint to restore from"
+        link.done(command.id, False, LinkError(code="unsupported", message=message))
+        return state
+    elif action == "stop":
+        state = "idle"
+    link.set_state(state)
+    link.done(command.id, True)
+    return state
