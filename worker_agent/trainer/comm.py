@@ -96,6 +96,11 @@ class AbortWatcher:
     def stop(self) -> None:
         self._stop.set()
 
+    def alive(self, timeout: float = 0.0) -> bool:
+        """Whether the thread still runs after waiting up to ``timeout`` for it to end."""
+        self._thread.join(timeout)
+        return self._thread.is_alive()
+
 
 class Stream:
     """Point-to-point works waited on in order by a daemon thread; the caller polls ``done``."""

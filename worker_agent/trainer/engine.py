@@ -22,6 +22,8 @@ A step, on every device of the plan:
 
 An abort (``comm.Aborted``) leaves the weights and optimizer state as they were before the step,
 with the step's gradients dropped, so a survivor can run the same step again under a new plan.
+A completed step can be undone once (``Worker.rollback``), for a rank that completed a step its
+peers lost to an abort.
 """
 
 from __future__ import annotations
@@ -175,6 +177,8 @@ class Worker:
     corpus: Corpus = field(default_factory=Corpus.default)
     layers: dict[int, Layer] = field(default_factory=dict)
     optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
+    # every held layer's state before the last step's optimizer update
+    undo: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         torch.set_num_threads(1)
@@ -196,6 +200,7 @@ class Worker:
 
     def hold(self, first: int, end: int) -> None:
         """Hold layers [first, end) with their initial weights and fresh optimizer state."""
+        self.undo = None
         self.layers = {k: build_layer(self.config.model, k) for k in range(first, end)}
         self.optimizers = {k: self._optimizer(layer) for k, layer in self.layers.items()}
 
@@ -238,6 +243,8 @@ class Worker:
         except BaseException:
             self.zero_grad()
             raise
+        # what this step changes, kept until the next one: see ``rollback``
+        self.undo = {k: self.export_layer(k) for k in self.layers}
         for optimizer in self.optimizers.values():
             optimizer.step()
         self.zero_grad()
@@ -253,6 +260,18 @@ class Worker:
     def zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
+
+    def rollback(self) -> None:
+        """Undo the last step's update: its layers go back to their state before it.
+
+        For a survivor that completed a step its peers lost to an abort (the abort came just as
+        the step's last all-reduce completed on some ranks only), so that all agree again.
+        """
+        if self.undo is None:
+            raise RuntimeError(f"device {self.device} has no step to undo")
+        for k, flat in self.undo.items():
+            self.import_layer(k, flat)
+        self.undo = None
 
     def _batch(self, plan: TrainPlan, step: int, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.config.micro_batch

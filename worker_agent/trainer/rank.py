@@ -31,6 +31,7 @@ from worker_agent.trainer.comm import (
     Generation,
     connect,
     request_abort,
+    run_abortable,
 )
 from worker_agent.trainer.engine import StepResult, TrainConfig, TrainPlan, Worker
 from worker_agent.trainer.handover import handover, participants, transfers
@@ -107,8 +108,33 @@ class Rank:
         if old is None:
             self.worker.adopt(new)
         else:
+            self._agree_on_step(old, self.generation)
             handover(self.worker, self.generation, moves, new)
+        self.worker.undo = None
         self.plan = new
+
+    def _agree_on_step(self, old: TrainPlan, gen: Generation) -> None:
+        """Every member of the new generation goes on from the same step.
+
+        An abort that lands as a step's last all-reduce completes can leave some survivors with
+        the step done and others without; those ahead undo it (``Worker.rollback``). A member
+        that held no stage of the old plan takes the agreed step.
+        """
+        mine = self.step if self.device in old.held else -1
+        self.store.set(f"{gen.prefix}step/{self.device}", str(mine))
+        keys = [f"{gen.prefix}step/{d}" for d in gen.members]
+        waiter = connect(self.host, self.port, timeout=self.timeout)  # a wait holds its client
+        assert self.abort is not None
+        run_abortable(lambda: waiter.wait(keys, self.timeout), self.abort, "agreeing on the step")
+        known = [s for s in (int(self.store.get(k)) for k in keys) if s >= 0]
+        if not known:
+            return
+        agreed = min(known)
+        if max(known) > agreed + 1:
+            raise RuntimeError(f"members are at steps {sorted(set(known))}: more than one apart")
+        if mine > agreed:
+            self.worker.rollback()
+        self.step = agreed
 
     def train_step(self) -> StepResult:
         """One step of the current plan; the counter moves on only if it completed."""

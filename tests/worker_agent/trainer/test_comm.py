@@ -101,14 +101,16 @@ def test_the_watcher_sets_the_event_when_the_abort_key_appears(store: dist.TCPSt
     assert time.monotonic() - started < 0.1
     assert store.get(abort_key("g3/")) == b"device 7 failed"
     watcher.stop()
+    assert not watcher.alive(1.0)
 
 
 def test_a_stopped_watcher_leaves_the_event_alone(store: dist.TCPStore) -> None:
     event = threading.Event()
     watcher = AbortWatcher(HOST, store.port, "g4/", event)
     watcher.stop()
-    request_abort(store, "g4/")
+    request_abort(store, "g4/")  # wakes the stopped watcher, which ends without a word
     assert not event.wait(0.3)
+    assert not watcher.alive(1.0)
 
 
 def test_a_generation_being_built_leaves_when_aborted(store: dist.TCPStore) -> None:
