@@ -80,7 +80,8 @@ class Rank:
 
         ``live``: the devices that may send layers (default: those of both the previous plan
         and the new one). ``fresh``: start from the initial weights instead. ``abort``: an
-        event the agent may set itself; the generation's watcher sets it too. Raises
+        event the agent may set itself (a fresh one per generation); the generation's watcher
+        sets it too. Raises
         ``comm.Aborted`` if the new generation is aborted while it is built or layers move.
         """
         new = TrainPlan.parse(plan, self.config.model.layers)
@@ -91,7 +92,7 @@ class Rank:
         members = participants(moves, new.plan)
         self.leave()
         if self.device not in members:  # neither a stage nor a layer to send: idle
-            self.worker.layers, self.worker.optimizers = {}, {}
+            self.worker.layers, self.worker.optimizers, self.worker.undo = {}, {}, None
             self.plan = new
             return
         self.abort = abort or threading.Event()

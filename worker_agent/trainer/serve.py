@@ -88,8 +88,11 @@ def serve(
     (without an agent: until ``max_steps``)."""
     rank = Rank(device, host, port, config)
     link.set_state("restoring")
-    rank.apply(plan, link.generation, fresh=True)
-    state = "training" if rank.training else "idle"
+    try:
+        rank.apply(plan, link.generation, fresh=True)
+        state = "training" if rank.training else "idle"
+    except Aborted:  # a peer failed before the first step: wait for the plan around it
+        state = "idle"
     link.set_state(state)
     commands: queue.Queue[CommandMessage | None] = queue.Queue()
     in_step, pending = threading.Event(), threading.Event()
