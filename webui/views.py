@@ -386,6 +386,9 @@ def simulations(request: HttpRequest) -> HttpResponse:
     return page(request, "webui/simulations.html", context)
 
 
+MAX_TRACE_FILE_BYTES = 4_000_000  # as the REST API's trace_csv
+
+
 def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | None]:
     given = request.POST
     job = Job.objects.filter(pk=given.get("job") or 0).first()
@@ -415,13 +418,23 @@ def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | N
         if not given["spares"].strip().isdigit():
             return None, {"field": "spares", "message": "expected a whole number of spares"}
         scenario["cluster"]["spares"] = int(given["spares"])
-    experiment = {
+    experiment: dict[str, Any] = {
         "hours": numbers["hours"],
         "policies": given.getlist("policies"),
         "seeds": int(numbers["seeds"]),
         "base_seed": int(numbers["base_seed"]),
         "trace": trace,
     }
+    upload = request.FILES.get("trace_file")
+    if upload is not None:  # a trace to replay replaces the drawn one
+        if upload.size is not None and upload.size > MAX_TRACE_FILE_BYTES:
+            message = f"{upload.size} bytes is over the limit of {MAX_TRACE_FILE_BYTES}"
+            return None, {"field": "trace_file", "message": message}
+        try:
+            experiment["trace_csv"] = upload.read().decode()
+        except UnicodeDecodeError:
+            return None, {"field": "trace_file", "message": "not a text (UTF-8) CSV file"}
+        experiment["trace"] = {}
     try:
         sweep = sweeps.start(
             scenario=scenario,

@@ -207,6 +207,12 @@ class SweepCreateSerializer(serializers.Serializer):
     trace = serializers.DictField(
         default=dict, help_text="how to draw failures: the simulator's trace fields (docs)"
     )
+    trace_csv = serializers.CharField(
+        required=False,
+        max_length=4_000_000,
+        trim_whitespace=False,
+        help_text="instead of trace: a trace to replay, in the simulator's CSV format",
+    )
     options = serializers.DictField(child=serializers.DictField(), default=dict)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:

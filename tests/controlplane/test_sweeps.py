@@ -82,6 +82,8 @@ def test_an_operator_sweeps_a_jobs_scenario_and_gets_the_simulators_summary(
         ({"options": {"oobleck": {"f": "many"}}, "policies": ["oobleck"]}, "f"),
         ({"scenario": SCENARIO}, "job"),  # a job and a scenario both
         ({"job": 999}, "job"),
+        ({"trace_csv": "time_s,devices\n60,99\n", "trace": {}}, "trace_csv"),  # no device 99
+        ({"trace_csv": "time_s,devices\n60,1\n", "trace": {"burst_prob": 0.1}}, "trace"),
     ],
 )
 def test_bad_experiments_are_400s_naming_the_field_and_start_nothing(

@@ -356,3 +356,25 @@ def test_a_viewer_cannot_start_a_simulation_and_bad_input_is_named() -> None:
     unknown = client_as("operator").post("/simulations/", {**form, "trace": "", "policies": ["x"]})
     assert unknown.status_code == 200 and "policies" in text(unknown)
     assert not Sweep.objects.exists()
+
+
+def test_a_trace_file_is_replayed_and_a_bad_one_is_named(
+    eager_tasks: None, django_capture_on_commit_callbacks: Callable[..., Any]
+) -> None:
+    job, _ = create_job("sim-trace", copy.deepcopy(SCENARIO))
+    operator = client_as("operator")
+    form = {"job": job.pk, "policies": ["dynamic"], "hours": "1", "seeds": "2"}
+    bad = SimpleUploadedFile("t.csv", b"time_s,devices\n60,99\n", content_type="text/csv")
+    response = operator.post("/simulations/", {**form, "trace_file": bad})
+    assert response.status_code == 200 and "<code>trace_csv:2:devices</code>" in text(response)
+    assert not Sweep.objects.exists()
+    trace = b"time_s,devices,kind,repair_s\n600,3,crash,1800\n"
+    good = SimpleUploadedFile("t.csv", trace, content_type="text/csv")
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator.post("/simulations/", {**form, "trace_file": good})
+    assert response.status_code == 302
+    sweep = Sweep.objects.get()
+    assert sweep.status == SweepStatus.DONE and sweep.experiment["trace_csv"] == trace.decode()
+    assert sweep.summary is not None
+    dynamic = sweep.summary["policies"]["dynamic"]
+    assert dynamic["recoveries_mean"] == 1.0, dynamic  # the one failure the file names, each seed

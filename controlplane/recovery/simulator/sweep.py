@@ -26,7 +26,13 @@ from controlplane.recovery.simulator.metrics import (
     time_grid,
 )
 from controlplane.recovery.simulator.timeline import Run
-from controlplane.recovery.simulator.traces import Distribution, RepairDistribution, TraceSpec
+from controlplane.recovery.simulator.traces import (
+    Distribution,
+    RepairDistribution,
+    Trace,
+    TraceSpec,
+    parse_csv,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +90,14 @@ def merge(experiment: Experiment, runs: Iterable[Run], *, scenario: str = "") ->
 
 
 TRACE_FIELDS = {f.name for f in dataclasses.fields(TraceSpec)}
-EXPERIMENT_FIELDS = {"hours", "policies", "seeds", "base_seed", "trace", "options"}
+EXPERIMENT_FIELDS = {"hours", "policies", "seeds", "base_seed", "trace", "trace_csv", "options"}
 
 
 def experiment_from_dict(data: Mapping[str, Any], state: ClusterState) -> Experiment:
     """An experiment from JSON: ``hours``, ``policies``, ``seeds``, ``base_seed``, ``options``
-    (per policy) and ``trace`` (``TraceSpec``'s fields; the failure rate defaults to the
-    scenario's). ``InvalidScenario`` names the field at fault."""
+    (per policy), and either ``trace`` (``TraceSpec``'s fields; the failure rate defaults to the
+    scenario's) or ``trace_csv``, a trace to replay in the documented CSV format
+    (docs/simulator.md), the same for every seed. ``InvalidScenario`` names the field at fault."""
     if not isinstance(data, Mapping):
         raise InvalidScenario("must be an object", field="experiment")
     unknown = sorted(set(data) - EXPERIMENT_FIELDS)
@@ -98,6 +105,13 @@ def experiment_from_dict(data: Mapping[str, Any], state: ClusterState) -> Experi
         raise InvalidScenario(
             f"unknown fields {unknown}; known: {sorted(EXPERIMENT_FIELDS)}", field=unknown[0]
         )
+    replay = data.get("trace_csv")
+    if replay is not None:
+        if not isinstance(replay, str):
+            raise InvalidScenario("must be the CSV text of a trace", field="trace_csv")
+        if data.get("trace"):
+            raise InvalidScenario("give a trace to replay or trace fields, not both", field="trace")
+        return _experiment(data, parse_csv(replay, state.cluster, source="trace_csv"))
     trace = dict(data.get("trace") or {})
     bad = sorted(set(trace) - TRACE_FIELDS)
     if bad:
@@ -117,6 +131,10 @@ def experiment_from_dict(data: Mapping[str, Any], state: ClusterState) -> Experi
         ) from None
     except TypeError as exc:
         raise InvalidScenario(str(exc), field="trace") from None
+    return _experiment(data, spec)
+
+
+def _experiment(data: Mapping[str, Any], trace: TraceSpec | Trace) -> Experiment:
     policies = data.get("policies")
     if not isinstance(policies, list) or not all(isinstance(p, str) for p in policies):
         raise InvalidScenario("must be a list of policy names", field="policies")
@@ -130,7 +148,7 @@ def experiment_from_dict(data: Mapping[str, Any], state: ClusterState) -> Experi
         return Experiment(
             hours=float(data.get("hours", 9.0)),
             policies=tuple(policies),
-            trace=spec,
+            trace=trace,
             seeds=int(data.get("seeds", 1)),
             base_seed=int(data.get("base_seed", 0)),
             options={k: dict(v) for k, v in (data.get("options") or {}).items()},

@@ -75,3 +75,26 @@ def test_experiments_from_json_name_the_field_at_fault(tmp_path: Path) -> None:
         with pytest.raises(InvalidScenario) as caught:
             experiment_from_dict(data, state)
         assert caught.value.field == field, (field, str(caught.value))
+
+
+def test_a_replayed_trace_file_runs_every_seed_over_the_same_failures(tmp_path: Path) -> None:
+    state = load_scenario(scenario(tmp_path)).state
+    csv_text = "time_s,devices,kind,repair_s\n600,3,crash,1800\n4000,0;1,node_lost,\n"
+    data = {"hours": 2, "policies": ["odyssey", "checkpoint"], "seeds": 2, "trace_csv": csv_text}
+    experiment = experiment_from_dict(data, state)
+    assert [f.time_s for f in experiment.trace_for(state, 0).failures] == [600.0, 4000.0]
+    runs = {p: run_piece(state, experiment, p) for p in pieces(experiment)}
+    by_policy: dict[str, list[Run]] = {}
+    for piece, one in runs.items():
+        by_policy.setdefault(piece.policy, []).append(one)
+    for policy, seeds in by_policy.items():  # one trace, so every seed's run is the same
+        first, second = (json.dumps(r.to_dict(), sort_keys=True) for r in seeds)
+        assert first.replace('"seed": 0', "") == second.replace('"seed": 1', ""), policy
+    bad = {
+        "trace": {**data, "trace": {"burst_prob": 0.1}},  # both ways at once
+        "trace_csv": {**data, "trace_csv": "time_s,devices\nsoon,3\n"},
+    }
+    for field, wrong in bad.items():
+        with pytest.raises(InvalidScenario) as caught:
+            experiment_from_dict(wrong, state)
+        assert (caught.value.field or "").startswith(field), (field, str(caught.value))
