@@ -12,6 +12,7 @@ urlpatterns = [
     path("jobs/<int:pk>/", views.job_detail, name="job"),
     path("jobs/<int:pk>/what-if/", views.what_if, name="what_if"),
     path("recoveries/<int:pk>/", views.recovery_detail, name="recovery"),
+    path("recoveries/<int:pk>/proposal/", views.recovery_proposal, name="proposal"),
     path("recoveries/<int:pk>/approve/", views.recovery_approve, name="approve"),
     path("recoveries/<int:pk>/override/", views.recovery_override, name="override"),
     path("simulations/", views.simulations, name="simulations"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.contrib.auth.views import redirect_to_login
 from django.db.models.fields.json import KT, KeyTextTransform, KeyTransform
-from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
@@ -174,6 +174,17 @@ def _number(text: Any) -> float | None:
         return None
 
 
+# The most characters of plan JSON the override editor is filled with when the page loads.
+PREFILL_LIMIT = 100_000
+
+
+def _proposal(decision: RecoveryDecision) -> Any:
+    """The plan an override starts from: the chosen candidate's, or the decision's."""
+    if decision.decision and decision.decision.get("chosen") is not None:
+        return decision.decision["candidates"][decision.decision["chosen"]]["plan"]
+    return decision.plan
+
+
 def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
     candidates = data.candidate_rows(
         decision.decision,
@@ -190,9 +201,9 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
         }
         for p in phases(decision, events)
     ]
-    proposal = decision.plan
-    if decision.decision and decision.decision.get("chosen") is not None:
-        proposal = decision.decision["candidates"][decision.decision["chosen"]]["plan"]
+    proposal = _proposal(decision)
+    plan_text = json.dumps(proposal, indent=1) if proposal else ""
+    too_big = len(plan_text) > PREFILL_LIMIT
     return {
         "decision": decision,
         "job": decision.job,
@@ -203,7 +214,10 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
         "phases": shown,
         "plan": data.plan_rows(decision.plan),
         "open": decision.status == DecisionStatus.PROPOSED,
-        "plan_text": json.dumps(proposal, indent=1) if proposal else "",
+        # a plan of thousands of pipelines is megabytes: the editor loads it only when asked
+        "plan_text": "" if too_big else plan_text,
+        "plan_url": reverse("webui:proposal", args=[decision.pk]) if too_big else "",
+        "plan_kb": len(plan_text) // 1000,
         "api": f"/api/v1/recoveries/{decision.pk}/timeline/",
     }
 
@@ -211,6 +225,13 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
 @needs(Role.VIEWER)
 def recovery_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return page(request, "webui/recovery.html", recovery_context(_recovery(pk)))
+
+
+@needs(Role.VIEWER)
+def recovery_proposal(request: HttpRequest, pk: int) -> HttpResponse:
+    """The proposed plan as JSON, for the override editor of a plan too large to inline."""
+    decision = get_object_or_404(RecoveryDecision.objects.only("plan", "decision"), pk=pk)
+    return JsonResponse(_proposal(decision), safe=False)
 
 
 @require_POST

@@ -26,6 +26,7 @@ from controlplane.jobs.models import Device, DeviceState, Job, Node
 from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
 from tests.controlplane.test_api import SCENARIO, client_as, proposed, user
+from webui import views as webui_views
 
 pytestmark = pytest.mark.django_db
 
@@ -256,6 +257,22 @@ def test_an_operator_overrides_with_another_candidate_or_an_edited_plan() -> Non
     edited = operator.post(f"/recoveries/{second.pk}/override/", {"use": "plan", "plan": plan})
     assert edited.status_code == 302
     assert RecoveryDecision.objects.get(pk=second.pk).chosen is None
+
+
+def test_a_plan_too_large_to_inline_is_loaded_into_the_editor_on_demand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decision = proposed("manual")
+    chosen_plan = decision.candidates[decision.chosen]["plan"]  # type: ignore[index]
+    small = text(client_as("operator").get(f"/recoveries/{decision.pk}/"))
+    assert 'id="load-plan"' not in small and "&quot;pipelines&quot;" in small  # inlined
+    monkeypatch.setattr(webui_views, "PREFILL_LIMIT", 100)
+    page = text(client_as("operator").get(f"/recoveries/{decision.pk}/"))
+    assert 'id="load-plan"' in page and "&quot;pipelines&quot;" not in page
+    url = f"/recoveries/{decision.pk}/proposal/"
+    assert f'data-url="{url}"' in page
+    assert client_as("viewer").get(url).json() == chosen_plan
+    assert client_as(None).get(url).status_code == 403
 
 
 def test_the_recovery_page_shows_the_phases_and_links_the_exports() -> None:

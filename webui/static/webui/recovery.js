@@ -1,5 +1,19 @@
-// A recovery's phases as a Gantt chart (one bar a phase, from its start for its seconds).
+// A recovery's phases as a Gantt chart (one bar a phase, from its start for its seconds), and
+// the override editor's plan, fetched on demand when it is too large to come with the page.
 "use strict";
+(function () {
+  const load = document.getElementById("load-plan");
+  if (load) {
+    load.addEventListener("click", async () => {
+      load.disabled = true;
+      const answer = await fetch(load.dataset.url, { credentials: "same-origin" });
+      if (!answer.ok) { load.textContent = `Could not load the plan (${answer.status})`; return; }
+      document.getElementById("override-plan").value = JSON.stringify(await answer.json(), null, 1);
+      document.getElementById("use-plan").checked = true;
+      load.remove();
+    });
+  }
+})();
 (function () {
   const phases = JSON.parse(document.getElementById("phases").textContent).filter((p) => p.start && p.end);
   const target = document.getElementById("gantt");
