@@ -103,8 +103,11 @@ def rank_main(
     config: TrainConfig,
     out: Any,
     collect_weights: bool,
+    cpus: set[int] | None = None,
 ) -> None:
     """One rank: every phase it takes part in, reporting to ``out`` (a multiprocessing queue)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     try:
         _rank_phases(device, port, phases, config, out, collect_weights)
@@ -162,11 +165,13 @@ def run_local(
     *,
     collect_weights: bool = False,
     timeout_s: float = 120.0,
+    cpus: dict[int, set[int]] | None = None,
 ) -> RunResult:
     """Start ``devices`` rank processes (device ids 0..devices-1), run the phases, collect.
 
     The ranks are spawned processes with ``OMP_NUM_THREADS=1``; the caller's module must be
-    importable again (the usual ``if __name__ == "__main__"`` guard for a script).
+    importable again (the usual ``if __name__ == "__main__"`` guard for a script). ``cpus``
+    pins device d's rank to the CPUs ``cpus[d]`` (``os.sched_setaffinity``; for measurements).
     """
     config = config or TrainConfig()
     for i, phase in enumerate(phases):  # refuse a bad plan here, not in every rank
@@ -180,7 +185,7 @@ def run_local(
         procs = {
             d: ctx.Process(
                 target=rank_main,
-                args=(d, store.port, phases, config, out, collect_weights),
+                args=(d, store.port, phases, config, out, collect_weights, (cpus or {}).get(d)),
                 name=f"rank-{d}",
                 daemon=True,
             )
