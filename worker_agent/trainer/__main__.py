@@ -7,6 +7,9 @@ this machine, one process per device over loopback, and prints a table of the st
 ``python -m worker_agent.trainer rank --plan FILE`` is one rank under the agent
 (``serve.py``): the agent gives it its device, the store and the generation.
 
+``python -m worker_agent.trainer profile [--out FILE]`` measures the model's per-layer costs here
+and writes a scenario for the core (``profiler.py``).
+
 FILE is a plan in the core's format or a scenario file (its ``plan`` is used, and its
 ``training.micro_batch`` unless ``--micro-batch`` is given); the model gets the plan's number
 of layers.
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from worker_agent.link import TrainerLink
+from worker_agent.trainer import profiler
 from worker_agent.trainer.engine import TrainConfig
 from worker_agent.trainer.launch import Phase, run_local
 from worker_agent.trainer.model import ModelConfig
@@ -55,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--device", type=int, help="without an agent: this rank's device")
     rank.add_argument("--store", help="without an agent: HOST:PORT of the job's TCPStore")
     rank.add_argument("--steps", type=int, help="stop after this many steps (default: never)")
+    profiler.add_parser(commands)
     return parser
 
 
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "rank":
         return _rank(args)
+    if args.command == "profile":
+        return profiler.run(args)
     plan, scenario_micro_batch = _read_plan(args.plan)
     config = _config(args, plan, scenario_micro_batch)
     layers, micro_batch = config.model.layers, config.micro_batch
