@@ -1,6 +1,7 @@
 """A control plane in processes for end-to-end tests: its own Redis, a SQLite file database,
 the ASGI server, a Celery worker and the failure detector, each of which a test may kill and
-start again, and the REST API to watch it through."""
+start again, and the REST API to watch it through; agents running the reference trainer
+(``Stack.start_agent``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ SCENARIO = json.loads((REPO_ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json").re
 SCENARIO["failed"] = []
 SCENARIO["cluster"]["devices_per_node"] = 4  # node-0: 0-3, node-1: 4-7, node-2: spares 8-9
 NODES = {"node-0": [0, 1, 2, 3], "node-1": [4, 5, 6, 7]}
+# The reference trainer's job for the drills: 8 layers, PP2 x DP2 on 4 CPU ranks, 2 a node
+TRAINER_SCENARIO = REPO_ROOT / "examples" / "reference-trainer-pp2-dp2.json"
+TRAINER_NODES = {"node-0": [0, 1], "node-1": [2, 3]}
+TRAINER_POLICIES = ["rerouting", "dynamic", "odyssey"]
 
 SETUP = """
 import json
@@ -72,12 +77,43 @@ class Stack:
         if port is not None:
             self.wait(lambda: _listening(port), f"{name} listening", 60)
 
+    def start_agent(self, node: str, job: str, token: str, store_port: int) -> None:
+        """``python -m worker_agent run`` over the reference trainer's ranks of
+        ``TRAINER_SCENARIO`` for ``TRAINER_NODES[node]``; node-0's agent hosts the store."""
+        serve = ["--serve-store"] if node == "node-0" else []
+        command = [
+            *(
+                sys.executable,
+                "-m",
+                "worker_agent",
+                "run",
+                "--server",
+                f"ws://127.0.0.1:{self.port}",
+            ),
+            *("--job", job, "--node", node, "--token", token, "--grace", "3", "--layers", "8"),
+            *("--devices", ",".join(map(str, TRAINER_NODES[node]))),
+            *("--store", f"127.0.0.1:{store_port}", *serve, "--hang-floor", "3"),
+            *("--", sys.executable, "-m", "worker_agent.trainer", "rank", "--plan"),
+            str(TRAINER_SCENARIO),
+        ]
+        log = (self.tmp / f"agent-{node}.log").open("ab")
+        self.processes[f"agent-{node}"] = subprocess.Popen(
+            command, env={**self.env, "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
     def kill(self, name: str) -> None:
         process = self.processes.pop(name)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
 
     def stop_all(self) -> None:
+        for name in [n for n in self.processes if n.startswith("agent-")]:
+            self.processes[name].send_signal(signal.SIGTERM)  # goodbye; the ranks stopped
+        for name in [n for n in self.processes if n.startswith("agent-")]:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # else SIGKILLed below
+                self.processes[name].wait(timeout=20)
+                del self.processes[name]
         for name in list(self.processes):
             self.kill(name)
 
