@@ -27,8 +27,11 @@ the device that holds the most layers, to show how much of the error that is.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from typing import Any
 
 from benchmarks.results import write_results
 from controlplane.recovery.codec import state_from_dict
-from controlplane.recovery.estimator import estimate_step_time, peak_memory
+from controlplane.recovery.estimator import estimate_step_time, peak_memory, stage_peak_bytes
 from worker_agent.trainer.engine import TrainConfig
 from worker_agent.trainer.launch import Phase, run_local
 from worker_agent.trainer.profiler import (
@@ -212,6 +215,114 @@ def measure(
     return [times[s] for s in sorted(times)[warmup:]]
 
 
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _stage_rss(config: TrainConfig, first: int, end: int, in_flight: int, out: Any) -> None:
+    """In a fresh process: peak RSS growth of a stage in the middle of a 1F1B step."""
+    import torch
+
+    from worker_agent.trainer.engine import Worker
+    from worker_agent.trainer.model import loss_of, run_layers
+
+    torch.set_num_threads(1)
+    last = end == config.model.layers
+    b, s, d = config.micro_batch, config.model.seq, config.model.d_model
+    generator = torch.Generator().manual_seed(0)
+
+    def inputs() -> torch.Tensor:
+        if first == 0:
+            return torch.randint(0, config.model.vocab, (b, s), generator=generator)
+        return torch.randn((b, s, d), generator=generator).requires_grad_(True)
+
+    def one(keep: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        x = inputs()
+        y = run_layers(worker.layers, first, end, x)
+        if last:
+            y = loss_of(y, torch.randint(0, config.model.vocab, (b, s), generator=generator))
+        keep.append((x, y))
+
+    def backward(keep: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for _, y in keep:
+            grad = None if last else torch.full_like(y, 1e-3)
+            torch.autograd.backward(y, grad)
+        keep.clear()
+
+    # the first pass of a tiny model outside the measurement: lazy initialisations of torch
+    tiny = TrainConfig(model=model_config(layers=1, d_model=8, heads=2, seq=4), micro_batch=1)
+    warm = Worker(0, tiny)
+    warm.hold(0, 1)
+    logits = run_layers(warm.layers, 0, 1, torch.zeros((1, 4), dtype=torch.long))
+    torch.autograd.backward(loss_of(logits, torch.zeros((1, 4), dtype=torch.long)))
+    for optimizer in warm.optimizers.values():
+        optimizer.step()
+    del warm, logits
+    base = _rss_kib("VmRSS")
+    worker = Worker(0, config)
+    worker.hold(first, end)
+    keep: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(2):  # the second step has the optimizer's state; its peak is the steady one
+        for _ in range(in_flight):
+            one(keep)
+        backward(keep)
+        for optimizer in worker.optimizers.values():
+            optimizer.step()
+        worker.zero_grad()
+    out.put((_rss_kib("VmHWM") - base) * 1024)
+
+
+def stage_rss_bytes(config: TrainConfig, first: int, end: int, in_flight: int) -> float:
+    """Peak RSS growth of a process running a stage of layers [first, end) with ``in_flight``
+    micro-batches' activations kept at once, over its RSS before it held them."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_stage_rss, args=(config, first, end, in_flight, out), daemon=True)
+    proc.start()
+    try:
+        return float(out.get(timeout=300))
+    finally:
+        proc.join(timeout=10)
+
+
+def memory_rows(config: TrainConfig, profile: Profile, plans: dict[str, Plan]) -> list[Any]:
+    """Eq. 14's peak of every distinct stage of the plans without rerouting, against the RSS
+    growth of a process running that stage (``stage_rss_bytes``)."""
+    stages: dict[tuple[int, int, int], list[str]] = {}
+    for name, plan in plans.items():
+        if plan.get("family") == "rerouting":
+            continue
+        for pipeline in plan["pipelines"]:
+            depth = len(pipeline["stages"])
+            for i, stage in enumerate(pipeline["stages"]):
+                in_flight = min(depth - i, pipeline["micro_batches"])
+                stages.setdefault((*stage["layers"], in_flight), []).append(name)
+    state = state_from_dict(profile.scenario(next(iter(plans.values()))))
+    rows = []
+    for (first, end, in_flight), names in sorted(stages.items()):
+        est = stage_peak_bytes(state.profile, (first, end), 0, in_flight, in_flight)
+        rss = stage_rss_bytes(config, first, end, in_flight)
+        rows.append(
+            {
+                "layers": [first, end],
+                "in_flight": in_flight,
+                "plans": sorted(set(names)),
+                "estimate_bytes": est,
+                "rss_growth_bytes": rss,
+                "ratio": rss / est,
+            }
+        )
+        print(
+            f"stage [{first}, {end}) with {in_flight} in flight: eq. 14 {est / 2**20:7.1f} MiB, "
+            f"RSS growth {rss / 2**20:7.1f} MiB ({rss / est:.2f}x)",
+            flush=True,
+        )
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'plan':<25} {'devices':>7} {'estimate ms':>11} {'measured ms':>11} {'error %':>8} "
@@ -240,6 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all plans")
     parser.add_argument("--profile-repeat", type=int, default=10, help="runs per layer")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the stages' RSS against eq. 14"
+    )
     parser.add_argument(
         "--oversubscribe",
         action="store_true",
@@ -343,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
                 "plan_json": plan,
             }
         )
+    memory = [] if args.quick or args.no_memory else memory_rows(config, profiled(1), plans)
     inside = [r for r in rows if not r["oversubscribed"]]
     print()
     print(table(inside))
@@ -384,9 +499,12 @@ def main(argv: list[str] | None = None) -> None:
             "mape_with_update": mape_update,
             "profiles": profiles,
             "rows": rows,
+            "memory": memory,
         },
     )
 
 
 if __name__ == "__main__":
+    # a SIGTERM unwinds, so that the launcher's ranks and the profiling processes are ended
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

@@ -50,6 +50,7 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.simulator_speed", None): ("--sizes", "64", "--days", "0.02", "--no-baseline"),
     ("benchmarks.pitstop_gain", None): ("--seeds", "1", "--hours", "0.2", "--rows", "0,8"),
     ("benchmarks.sweep_workers", None): ("--seeds", "1", "--hours", "0.5"),
+    ("benchmarks.estimator_accuracy", None): ("--quick", "--plans", "pp1-m4"),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),
