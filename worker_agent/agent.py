@@ -11,8 +11,9 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
   lowest of its ranks'), the last loss, samples/s, step time, and each device's state and memory;
 - a ``fault`` the moment one is seen: a rank exited or was killed (``crash``, from the process
   table and the link's end), no step progress for ``hang_factor`` × its median step time and at
-  least ``hang_floor_s`` (``hang``), a NaN or infinite loss (``nan``), a rank slower than
-  ``straggler_factor`` × the median of the node's other ranks for ``straggler_steps`` steps in a
+  least ``hang_floor_s`` while its link's pulses are silent, or for three times that
+  (``hang``), a NaN or infinite loss (``nan``), a rank slower than ``straggler_factor`` × the
+  median of the node's other ranks for ``straggler_steps`` steps in a
   row (``straggler``); a dead or hung rank also sets ``<generation>abort`` in the job's store so
   the other ranks leave their collectives, and a hung rank is killed;
 - every command carried out once per id by the ranks it concerns, acknowledged when they all
@@ -55,6 +56,10 @@ AGENT_VERSION = "pitstop-agent 0.1"
 RECENT_STEPS = 20  # the step times a rank's median is taken over
 MAX_LAYERS = 100_000  # the most layers a plan may name when the model's count is not given
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# A rank is silent after this many of its link's pulse periods without a message.
+SILENT_PULSES = 4
+# A rank whose pulses go on is a hang only after this many times the hang limit.
+STALL_FACTOR = 3
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Rank:
     memory_bytes: float | None = None
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     progress_at: float = field(default_factory=time.monotonic)  # the step last advanced
+    heard_at: float = field(default_factory=time.monotonic)  # its last message of any kind
     slow_steps: int = 0
     straggling: bool = False
     nan: bool = False
@@ -343,6 +349,7 @@ class Agent:
 
     async def _read(self, rank: Rank) -> None:
         async for message in rank.end.messages():
+            rank.heard_at = time.monotonic()
             self._take(rank, message)
         if rank.alive and not self.stopping:
             # the link ended: the exit status is a moment behind, or the rank closed its link
@@ -462,7 +469,15 @@ class Agent:
             self._done(rank.device, command_id, False, error)
 
     async def _watch(self) -> None:
-        """Hangs: a training rank whose step has not moved for k × its median step time."""
+        """Hangs: a training rank whose step has not moved for k × its median step time, and
+        that has fallen silent too (its link's ``alive`` pulses stopped), or has not moved for
+        ``STALL_FACTOR`` times that long.
+
+        A rank waiting in a collective for a stopped peer stalls at the same moment as the
+        peer, but its pulses go on: it is not the one to blame, and once the culprit is found
+        (and the generation aborted) it leaves the collective. A rank stuck where the pulse
+        thread still runs (a device that never answers) is caught by the longer limit.
+        """
         settings = self.settings
         while True:
             await asyncio.sleep(0.05)
@@ -473,7 +488,8 @@ class Agent:
                 expected = _median(list(rank.recent)) or 0.0
                 limit = max(settings.hang_floor_s, settings.hang_factor * expected)
                 stalled = now - rank.progress_at
-                if stalled > limit:
+                silent = now - rank.heard_at > SILENT_PULSES * link.PULSE_S
+                if stalled > limit and (silent or stalled > STALL_FACTOR * limit):
                     self._lost(
                         rank,
                         "hang",
@@ -546,6 +562,7 @@ class Agent:
             plan=command.plan,
             step=command.step,
             generation=self.generation,
+            restore=None if command.restore is None else command.restore.value,
         )
         log.info(
             "command %s: %s to devices %s",

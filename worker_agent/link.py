@@ -67,6 +67,8 @@ FD_VARIABLE = "PITSTOP_LINK_FD"
 MAX_LINE_BYTES = 1024 * 1024
 
 STATES = ("training", "idle", "paused", "restoring")
+# Seconds between a rank's ``alive`` pulses (``AliveMessage``).
+PULSE_S = 0.25
 ACTIONS = ("pause", "apply_plan", "restore", "resume", "stop")
 FAULT_KINDS = ("crash", "hang", "straggler", "nan", "link", "node_lost")
 
@@ -88,6 +90,14 @@ class StepMessage(_Message):
     step_time_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     samples: Annotated[int, Field(ge=0)] = 0
     memory_bytes: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+class AliveMessage(_Message):
+    """Sent by the link's own thread every ``PULSE_S``: the process runs, whatever its training
+    loop is waiting for. A rank stopped (SIGSTOP) or frozen holding the interpreter falls
+    silent; one waiting in a collective for a stopped peer does not."""
+
+    t: Literal["alive"] = "alive"
 
 
 class StateMessage(_Message):
@@ -125,6 +135,9 @@ class CommandMessage(_Message):
     plan: dict[str, Any] | None = None
     step: Annotated[int, Field(ge=0)] | None = None
     generation: str
+    # where layers no device holds come from (``protocol.RestoreMode``); None: from peers. Any
+    # string passes here so that the rank, not the link, refuses a mode it does not know.
+    restore: str | None = None
 
 
 class InjectMessage(_Message):
@@ -132,7 +145,9 @@ class InjectMessage(_Message):
     kind: Literal["nan"]
 
 
-RankMessage = HelloMessage | StepMessage | StateMessage | FaultMessage | DoneMessage
+RankMessage = (
+    HelloMessage | StepMessage | StateMessage | FaultMessage | DoneMessage | AliveMessage
+)
 AgentMessage = CommandMessage | InjectMessage
 _RANK = TypeAdapter[RankMessage](Annotated[RankMessage, Field(discriminator="t")])
 _AGENT = TypeAdapter[AgentMessage](Annotated[AgentMessage, Field(discriminator="t")])
@@ -266,6 +281,8 @@ class TrainerLink:
         if sock is not None:
             self._reader = threading.Thread(target=self._read, name="pitstop-link", daemon=True)
             self._reader.start()
+            pulse = threading.Thread(target=self._pulse, name="pitstop-pulse", daemon=True)
+            pulse.start()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerLink:
@@ -382,6 +399,10 @@ class TrainerLink:
             except OSError as exc:
                 log.warning("link: the agent is gone (%s); training goes on alone", exc)
                 self._gone.set()
+
+    def _pulse(self) -> None:
+        while not self._gone.wait(PULSE_S):
+            self._send(AliveMessage())
 
     def _read(self) -> None:
         assert self._sock is not None

@@ -239,7 +239,9 @@ def test_a_killed_rank_is_a_crash_within_a_bound_and_aborts_the_generation(plane
 
 
 def test_a_stopped_rank_is_a_hang_and_is_killed(plane: Plane) -> None:
-    agent = plane.agent("hang", *DETECTORS)
+    # device 0 steps in lockstep with device 1, so it stalls with it, as a rank waiting in a
+    # collective does; but its link's pulses go on, and only the stopped rank is to blame
+    agent = plane.agent("hang", *DETECTORS, trainer=("--follow", "1"))
     try:
         ranks = ranks_of(agent)
         plane.stack.wait(lambda: plane.training("hang"), "training")

@@ -124,3 +124,22 @@ def test_the_trainer_link_reports_takes_commands_and_sees_the_agent_go() -> None
     assert list(trainer.commands()) == []
     trainer.report_step(5, 1.4, 0.2)  # and training goes on alone, quietly
     trainer.close()
+
+
+def test_an_active_link_pulses_while_the_loop_is_busy_and_stops_with_the_process() -> None:
+    ours, theirs = socket.socketpair()
+    trainer = link.TrainerLink(theirs, device=0)
+    try:
+        ours.settimeout(5)
+        reader = ours.makefile("rb")
+        began = time.monotonic()
+        pulses = 0
+        while pulses < 3:  # nothing else is sent: the loop "computes" meanwhile
+            message = link.decode_from_rank(reader.readline())
+            assert isinstance(message, link.AliveMessage), message
+            pulses += 1
+        took = time.monotonic() - began
+        assert 2 * link.PULSE_S <= took < 3 * link.PULSE_S + 1.0, took
+    finally:
+        trainer.close()
+        ours.close()

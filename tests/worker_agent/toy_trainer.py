@@ -2,7 +2,11 @@
 time and reporting falling losses through ``TrainerLink``, and carries out the agent's commands,
 writing each one it carries out to ``TOY_LOG`` (one line: device, command id, action).
 
-    python -m tests.worker_agent.toy_trainer [--step-time S] [--refuse ACTION]
+    python -m tests.worker_agent.toy_trainer [--step-time S] [--refuse ACTION] [--follow D]
+
+With ``--follow D`` the ranks step in lockstep with device D's rank, as ranks in one collective
+do: each waits for D's step before it takes its own, while D's process lives (files beside
+``TOY_LOG``).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
 
@@ -49,6 +54,24 @@ def work(seconds: float) -> None:
             done += 0.01
 
 
+def wait_for(leader: int, step: int, folder: Path) -> None:
+    """Until the rank of device ``leader`` has reached ``step``, or its process is gone."""
+    while True:
+        try:
+            pid = int((folder / f"pid-{leader}").read_text())
+            reached = int((folder / f"step-{leader}").read_text() or 0)
+        except (OSError, ValueError):
+            reached, pid = -1, 0
+        if reached >= step:
+            return
+        if pid:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return  # the leader died: go on without it, as survivors of an abort do
+        time.sleep(0.005)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-time", type=float, default=0.05)
@@ -61,16 +84,24 @@ def main() -> int:
     parser.add_argument(
         "--outlive-agent", action="store_true", help="go on training when the agent is gone"
     )
+    parser.add_argument("--follow", type=int, help="step in lockstep with this device's rank")
     args = parser.parse_args()
     link = TrainerLink.from_env()
+    folder = Path(os.environ.get("TOY_LOG", "toy.log")).parent
+    if args.follow is not None and link.device == args.follow:
+        (folder / f"pid-{link.device}").write_text(str(os.getpid()))
     state, step = "training", 0
     link.set_state(state)
     while args.outlive_agent or not link.agent_gone:
         timeout = 0.0
         if state == "training":
             began = time.monotonic()
+            if args.follow is not None and link.device != args.follow:
+                wait_for(args.follow, step, folder)
             work(args.step_time)
             step += 1
+            if args.follow is not None and link.device == args.follow:
+                (folder / f"step-{link.device}").write_text(str(step))
             loss = 4.0 / (1 + 0.05 * step)
             if link.injected("nan"):
                 loss = float("nan")
