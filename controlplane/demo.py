@@ -385,11 +385,14 @@ class Reporter:
         for name, job in self.jobs.items():
             live = self.plane.api(f"/api/v1/jobs/{job}/live/")
             step, loss, rate = live.get("step"), live.get("loss"), live.get("samples_per_s")
+            nodes = f" nodes {live.get('nodes_connected', 0)}"
+            if not isinstance(loss, float):  # no step taken yet: torch importing, groups forming
+                parts.append(f"{name} starting{nodes}")
+                continue
             parts.append(
-                f"{name} step {step if step is not None else '-'}"
-                + (f" loss {loss:.3f}" if isinstance(loss, float) else "")
+                f"{name} step {step if step is not None else '-'} loss {loss:.3f}"
                 + (f" {rate:.0f} samples/s" if isinstance(rate, int | float) else "")
-                + f" nodes {live.get('nodes_connected', 0)}"
+                + nodes
             )
         self.say("status: " + "; ".join(parts))
 
@@ -401,7 +404,11 @@ def _time(text: str | None) -> float | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m controlplane.demo", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m controlplane.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     p.add_argument(
         "--data-dir",
