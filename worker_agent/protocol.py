@@ -203,6 +203,15 @@ class Action(StrEnum):
     STOP = "stop"
 
 
+class RestoreMode(StrEnum):
+    """Where an ``apply_plan``'s layers that no live device holds come from."""
+
+    PEERS = "peers"  # a live holder under the previous plan (the default)
+    NEIGHBOURS = "neighbours"  # CheckFree: the neighbouring stages' weighted average
+    NEIGHBOURS_PLUS = "neighbours_plus"  # CheckFree+: edge stages from their swap partners
+    CHECKPOINT = "checkpoint"  # every device reloads the newest complete checkpoint
+
+
 class Command(_Frame):
     type: Literal["command"] = "command"
     id: Annotated[str, Field(min_length=1, max_length=100)]
@@ -210,6 +219,7 @@ class Command(_Frame):
     decision: int | None = None
     plan: dict[str, Any] | None = None
     step: Annotated[int, Field(ge=0)] | None = None  # resume from this step
+    restore: RestoreMode | None = None  # apply_plan only; None: from peers
 
 
 class Error(_Frame):

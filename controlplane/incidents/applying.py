@@ -65,6 +65,7 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
             action=protocol.Action.APPLY_PLAN,
             decision=decision.pk,
             plan=decision.plan,
+            restore=restore_mode(decision),
         )
         commands.append(
             AgentCommand(
@@ -89,6 +90,27 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
                node=command.node.name, command=str(command.id), action=command.action)  # fmt: skip
     _plan_becomes_the_jobs(job, applying.plan)
     return applying
+
+
+# Policies whose plans restore layers without a live holder otherwise than from peers; every
+# other policy's plan (and an edited plan) takes them from live holders (the default).
+RESTORE_BY_POLICY = {
+    "checkfree": protocol.RestoreMode.NEIGHBOURS,
+    "checkfree_plus": protocol.RestoreMode.NEIGHBOURS_PLUS,
+    "checkpoint": protocol.RestoreMode.CHECKPOINT,
+    "varuna": protocol.RestoreMode.CHECKPOINT,
+}
+
+
+def restore_mode(decision: RecoveryDecision) -> protocol.RestoreMode | None:
+    """How the chosen candidate's plan restores lost layers; None (peers) for an edited plan."""
+    if decision.chosen is None or not isinstance(decision.decision, dict):
+        return None
+    candidates = decision.decision.get("candidates") or []
+    if not 0 <= decision.chosen < len(candidates):
+        return None
+    policy = candidates[decision.chosen].get("policy")
+    return RESTORE_BY_POLICY.get(policy) if isinstance(policy, str) else None
 
 
 def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:

@@ -1,0 +1,52 @@
+"""The ``restore`` an ``apply_plan`` command carries follows the chosen candidate's policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controlplane.incidents.applying import restore_mode
+from controlplane.incidents.models import RecoveryDecision
+from worker_agent import protocol
+
+
+def _decision(chosen: int | None, *policies: str, decision: Any = ...) -> RecoveryDecision:
+    body = {"candidates": [{"policy": p} for p in policies]} if decision is ... else decision
+    return RecoveryDecision(chosen=chosen, decision=body)
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [
+        ("checkfree", "neighbours"),
+        ("checkfree_plus", "neighbours_plus"),
+        ("checkpoint", "checkpoint"),
+        ("varuna", "checkpoint"),
+        ("flashrecovery", None),
+        ("rerouting", None),
+        ("dynamic", None),
+    ],
+)
+def test_the_chosen_candidates_policy_names_the_mode(policy: str, mode: str | None) -> None:
+    got = restore_mode(_decision(1, "rerouting", policy))
+    assert (None if got is None else got.value) == mode
+
+
+def test_an_edited_plan_or_a_broken_decision_restores_from_peers() -> None:
+    assert restore_mode(_decision(None, "checkfree")) is None
+    assert restore_mode(_decision(3, "checkfree")) is None
+    assert restore_mode(_decision(0, decision=None)) is None
+
+
+def test_the_command_carries_it_and_an_old_command_still_parses() -> None:
+    frame = protocol.Command(
+        id="c", action=protocol.Action.APPLY_PLAN, restore=protocol.RestoreMode.NEIGHBOURS
+    )
+    assert frame.model_dump(mode="json", exclude_none=True)["restore"] == "neighbours"
+    old = protocol.Command.model_validate({"type": "command", "id": "c", "action": "apply_plan"})
+    assert old.restore is None
+    with pytest.raises(ValueError):
+        protocol.Command.model_validate(
+            {"type": "command", "id": "c", "action": "apply_plan", "restore": "tape"}
+        )
