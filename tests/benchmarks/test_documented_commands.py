@@ -51,6 +51,9 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.pitstop_gain", None): ("--seeds", "1", "--hours", "0.2", "--rows", "0,8"),
     ("benchmarks.sweep_workers", None): ("--seeds", "1", "--hours", "0.5"),
     ("benchmarks.estimator_accuracy", None): ("--quick", "--plans", "pp1-m4"),
+    ("benchmarks.recovery_e2e", None): (
+        *("--policies", "rerouting", "--repeats", "1", "--warmup-steps", "3"),
+    ),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),
