@@ -352,6 +352,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all plans")
     parser.add_argument("--profile-repeat", type=int, default=10, help="runs per layer")
     parser.add_argument(
+        "--profile-once",
+        action="store_true",
+        help="one profile, alone on one CPU before all the plans, for every estimate",
+    )
+    parser.add_argument(
+        "--no-link", action="store_true", help="no link bandwidth: communication is free"
+    )
+    parser.add_argument(
         "--no-memory", action="store_true", help="skip the stages' RSS against eq. 14"
     )
     parser.add_argument(
@@ -404,12 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     grads = int(sum(p.m_g for p in profiled(1, repeat=1).layers))
     rounds: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cases}
     profiles: list[dict[str, Any]] = []
+    once = profiled(1) if args.profile_once else None
     for r in range(args.repeats):
-        gbps = link_gbps(grads, cpus=cpus) if widths[-1] > 1 else None
+        gbps = link_gbps(grads, cpus=cpus) if widths[-1] > 1 and not args.no_link else None
         for case in cases:
             plan = plans[case.name]
-            width = min(len(devices_of(plan)), len(cpus))
-            profile = profiled(width)  # measured alone, just before the plan runs
+            width = 1 if once else min(len(devices_of(plan)), len(cpus))
+            profile = once or profiled(width)  # measured apart, before the plan runs
             est, peaks, update = estimate(profile, plan, gbps)
             times = measure(plan, config, args.steps, args.warmup, cpus)
             measured = statistics.median(times)
@@ -494,6 +503,8 @@ def main(argv: list[str] | None = None) -> None:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "repeats": args.repeats,
+                "profile_once": args.profile_once,
+                "link": not args.no_link,
             },
             "mape": mape,
             "mape_with_update": mape_update,
