@@ -59,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--device", type=int, help="without an agent: this rank's device")
     rank.add_argument("--store", help="without an agent: HOST:PORT of the job's TCPStore")
     rank.add_argument("--steps", type=int, help="stop after this many steps (default: never)")
+    rank.add_argument("--checkpoint-dir", type=Path, help="where the layers' checkpoints go")
+    rank.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)"
+    )
+    rank.add_argument(
+        "--resume", action="store_true", help="start from the newest checkpoint in the directory"
+    )
+    rank.add_argument("--dump", type=Path, help="write the rank's state here (drills, tests)")
     profiler.add_parser(commands)
     return parser
 
@@ -88,7 +96,19 @@ def _rank(args: argparse.Namespace) -> int:
         return 2
     host, _, port = store.rpartition(":")
     torch.set_num_threads(1)
-    code = serve(link, plan, config, host=host, port=int(port), device=device, max_steps=args.steps)
+    code = serve(
+        link,
+        plan,
+        config,
+        host=host,
+        port=int(port),
+        device=device,
+        max_steps=args.steps,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        dump=args.dump,
+    )
     sys.stdout.flush()
     os._exit(code)  # never wait on the threads of abandoned groups
 

@@ -179,13 +179,16 @@ class Worker:
     optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
     # every held layer's state before the last step's optimizer update
     undo: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    # the L2 norm of the held layers' gradients in the last completed step (CheckFree's weight)
+    grad_norm: float = 0.0
+    _undo_norm: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         torch.set_num_threads(1)
 
     # --- the layers held ---
 
-    def _optimizer(self, layer: Layer) -> torch.optim.Optimizer:
+    def fresh_optimizer(self, layer: Layer) -> torch.optim.Optimizer:
         c = self.config
         if c.optimizer == "sgd":
             return torch.optim.SGD(layer.parameters(), lr=c.lr, foreach=False)
@@ -202,7 +205,7 @@ class Worker:
         """Hold layers [first, end) with their initial weights and fresh optimizer state."""
         self.undo = None
         self.layers = {k: build_layer(self.config.model, k) for k in range(first, end)}
-        self.optimizers = {k: self._optimizer(layer) for k, layer in self.layers.items()}
+        self.optimizers = {k: self.fresh_optimizer(layer) for k, layer in self.layers.items()}
 
     def adopt(self, plan: TrainPlan) -> None:
         """Hold the initial weights of this device's stage of ``plan`` (nothing if it has none)."""
@@ -245,6 +248,8 @@ class Worker:
             raise
         # what this step changes, kept until the next one: see ``rollback``
         self.undo = {k: self.export_layer(k) for k in self.layers}
+        self._undo_norm = self.grad_norm
+        self.grad_norm = self._grad_norm()
         for optimizer in self.optimizers.values():
             optimizer.step()
         self.zero_grad()
@@ -256,6 +261,47 @@ class Worker:
             samples=samples,
             device=self.device,
         )
+
+    def warm_up(self) -> None:
+        """Take once, on a throwaway layer, the code paths a first step and a handover take
+        (lazy imports of the optimizer, first-use kernels), so that a standby that takes over a
+        stage pays none of it then; the device's own layers are untouched."""
+        spare = Worker(self.device, self.config, corpus=self.corpus)
+        index = min(1, self.config.model.layers - 1)
+        spare.import_layer(index, spare.export_layer_of(index))
+        layer = spare.layers[index]
+        c = self.config
+        if index > 0:
+            x = torch.zeros(c.micro_batch, c.model.seq, c.model.d_model, requires_grad=True)
+        else:
+            x = torch.zeros(c.micro_batch, c.model.seq, dtype=torch.long)
+        layer(x).float().sum().backward()
+        spare.optimizers[index].step()
+
+    def export_layer_of(self, index: int) -> torch.Tensor:
+        """The ``export_layer`` of layer ``index``'s initial weights, held or not."""
+        held = self.layers.get(index)
+        self.layers[index] = build_layer(self.config.model, index)
+        optimizer = self.optimizers.get(index)
+        self.optimizers[index] = self.fresh_optimizer(self.layers[index])
+        try:
+            return self.export_layer(index)
+        finally:
+            if held is None:
+                del self.layers[index], self.optimizers[index]
+            else:
+                self.layers[index] = held
+                if optimizer is not None:
+                    self.optimizers[index] = optimizer
+
+    def _grad_norm(self) -> float:
+        squares = [
+            float(p.grad.detach().double().pow(2).sum())
+            for layer in self.layers.values()
+            for p in layer.parameters()
+            if p.grad is not None
+        ]
+        return float(sum(squares) ** 0.5)
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
@@ -272,6 +318,7 @@ class Worker:
         for k, flat in self.undo.items():
             self.import_layer(k, flat)
         self.undo = None
+        self.grad_norm = self._undo_norm
 
     def _batch(self, plan: TrainPlan, step: int, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.config.micro_batch
@@ -396,7 +443,7 @@ class Worker:
     def import_layer(self, index: int, flat: torch.Tensor) -> None:
         """Hold layer ``index`` with the weights and optimizer state ``export_layer`` gave."""
         layer = build_layer(self.config.model, index)
-        optimizer = self._optimizer(layer)
+        optimizer = self.fresh_optimizer(layer)
         params = list(layer.parameters())
         total = sum(p.numel() for p in params)
         steps = flat[3 * total :]

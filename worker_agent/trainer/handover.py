@@ -10,7 +10,7 @@ that includes every sender and receiver.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +45,15 @@ def held_layers(plan: ExecutionPlan | None, live: Iterable[int]) -> dict[int, ra
     return out
 
 
-def transfers(old: ExecutionPlan | None, new: ExecutionPlan, live: Iterable[int]) -> list[Transfer]:
-    """Every layer a device of ``new`` lacks, each from one live holder under ``old``.
+def transfers(
+    old: ExecutionPlan | None,
+    new: ExecutionPlan,
+    live: Iterable[int],
+    *,
+    skip: Collection[int] = (),
+) -> list[Transfer]:
+    """Every layer a device of ``new`` lacks, each from one live holder under ``old``; layers
+    in ``skip`` are left out (restored otherwise: rebuilt from neighbours, a checkpoint).
 
     Holders are chosen deterministically, each layer from the holder that sends the fewest
     layers so far (lowest device id on ties), so every rank computes the same list.
@@ -57,7 +64,7 @@ def transfers(old: ExecutionPlan | None, new: ExecutionPlan, live: Iterable[int]
     out: list[Transfer] = []
     for dst, (first, end) in sorted(after.items()):
         for k in range(first, end):
-            if k in before.get(dst, range(0)):
+            if k in before.get(dst, range(0)) or k in skip:
                 continue
             holders = [d for d, r in sorted(before.items()) if k in r]
             if not holders:

@@ -16,15 +16,31 @@ starts an ``AbortWatcher`` on ``prefix + "abort"`` and, unless ``fresh``, moves 
 new plan needs from the live holders under the previous plan (``handover.transfers``). A device
 that only sends layers, or has nothing to do with the new plan, returns holding nothing (every
 device may call ``apply``; one that takes no part builds no group).
+
+``restore`` says where the layers no device of the new plan holds come from:
+
+- ``"peers"`` (the default): from a live device that held them under the previous plan
+  (``handover``): rerouting, a dynamic re-plan, an in-memory restore onto a standby;
+- ``"neighbours"``: a lost stage with no live copy is rebuilt as the gradient-norm weighted
+  average of its pipeline neighbours (CheckFree), ``"neighbours_plus"`` also copies an edge stage
+  from its swap partner (CheckFree+) (``checkfree``); the other layers move from peers;
+- ``"checkpoint"``: every device loads its stage from the newest complete checkpoint and the
+  step goes back to the checkpoint's (``checkpoint``).
+
+A mode that is not one of these is refused (``BadRestore``) before anything changes.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from worker_agent.trainer import checkpoint
+from worker_agent.trainer.checkfree import Rebuild, rebuild, rebuilds
 from worker_agent.trainer.comm import (
     DEFAULT_TIMEOUT,
     AbortWatcher,
@@ -34,7 +50,15 @@ from worker_agent.trainer.comm import (
     run_abortable,
 )
 from worker_agent.trainer.engine import StepResult, TrainConfig, TrainPlan, Worker
-from worker_agent.trainer.handover import handover, participants, transfers
+from worker_agent.trainer.handover import NoHolder, handover, participants, transfers
+
+RESTORES = ("peers", "neighbours", "neighbours_plus", "checkpoint")
+
+
+class BadRestore(ValueError):
+    """A restore mode the rank cannot carry out; ``field`` is ``restore``."""
+
+    field = "restore"
 
 
 class Rank:
@@ -48,6 +72,8 @@ class Rank:
         config: TrainConfig | None = None,
         *,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.device = device
         self.host = host
@@ -61,6 +87,12 @@ class Rank:
         self.abort: threading.Event | None = None
         self.step = 0  # the next step to run: the data's step number
         self._watcher: AbortWatcher | None = None
+        # ``checkpoint_every`` steps (0: never) the layers this device writes go to the directory
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        # seconds the last ``apply`` spent: regroup (groups, step agreement), transfer (layers)
+        self.timings: dict[str, float] = {}
+        self.dump: Path | None = None  # where a drill wants the rank's state (``serve``)
 
     @property
     def training(self) -> bool:
@@ -75,21 +107,42 @@ class Rank:
         live: Iterable[int] | None = None,
         fresh: bool = False,
         abort: threading.Event | None = None,
+        restore: str = "peers",
     ) -> None:
         """Join the generation that runs ``plan`` (the core's plan dict) under ``prefix``.
 
         ``live``: the devices that may send layers (default: those of both the previous plan
         and the new one). ``fresh``: start from the initial weights instead. ``abort``: an
         event the agent may set itself (a fresh one per generation); the generation's watcher
-        sets it too. Raises
-        ``comm.Aborted`` if the new generation is aborted while it is built or layers move.
+        sets it too. ``restore``: where layers no live device holds come from (the module's
+        docstring). Raises ``comm.Aborted`` if the new generation is aborted while it is built or
+        layers move; ``BadRestore``, ``NoHolder`` (``checkfree.NoSource``) and
+        ``engine.PlanNotSupported`` before anything changes.
         """
+        started = time.perf_counter()
+        if restore not in RESTORES:
+            raise BadRestore(f"restore: unknown mode {restore!r}; known: {', '.join(RESTORES)}")
         new = TrainPlan.parse(plan, self.config.model.layers)
         old = None if fresh else self.plan
         # a device of the new plan is alive by construction; one left out of it may be dead
         alive = set(old.held if old else ()) & set(new.held) if live is None else set(live)
-        moves = transfers(old.plan, new.plan, alive) if old is not None else []
-        members = participants(moves, new.plan)
+        loaded: int | None = None
+        rebuilt: list[Rebuild] = []
+        if restore == "checkpoint":
+            if self.checkpoint_dir is None:
+                raise BadRestore("restore: this rank keeps no checkpoint (no checkpoint directory)")
+            loaded = checkpoint.latest(self.checkpoint_dir, self.config.model.layers)
+            if loaded is None:
+                raise NoHolder(f"no complete checkpoint in {self.checkpoint_dir}")
+            moves = []
+        elif old is not None and restore.startswith("neighbours"):
+            plus = restore == "neighbours_plus"
+            rebuilt = rebuilds(old.plan, new.plan, alive, self.config.model, plus=plus)
+            moves = transfers(old.plan, new.plan, alive, skip={r.layer for r in rebuilt})
+        else:
+            moves = transfers(old.plan, new.plan, alive) if old is not None else []
+        senders = {src for r in rebuilt for src, _ in r.sources}
+        members = sorted(set(participants(moves, new.plan)) | senders)
         self.leave()
         if self.device not in members:  # neither a stage nor a layer to send: idle
             self.worker.layers, self.worker.optimizers, self.worker.undo = {}, {}, None
@@ -106,13 +159,30 @@ class Rank:
             subsets=new.sync_groups(),
             timeout=self.timeout,
         )
-        if old is None:
+        if old is not None and loaded is None:
+            self._agree_on_step(old, self.generation)
+        regrouped = time.perf_counter()
+        if loaded is not None:
+            if self.device in new.held:
+                checkpoint.load(
+                    self.worker, self.checkpoint_dir or Path(), loaded, *new.held[self.device]
+                )
+            else:
+                self.worker.layers, self.worker.optimizers = {}, {}
+            self.step = loaded
+        elif old is None:
             self.worker.adopt(new)
         else:
-            self._agree_on_step(old, self.generation)
+            rebuild(self.worker, self.generation, rebuilt)
             handover(self.worker, self.generation, moves, new)
         self.worker.undo = None
         self.plan = new
+        self.timings = {
+            "regroup_s": regrouped - started,
+            "transfer_s": time.perf_counter() - regrouped,
+        }
+        if old is None and loaded is None and self.checkpoint_every > 0:
+            self._save()
 
     def _agree_on_step(self, old: TrainPlan, gen: Generation) -> None:
         """Every member of the new generation goes on from the same step.
@@ -143,7 +213,14 @@ class Rank:
             raise RuntimeError(f"device {self.device} has no stage in the current plan")
         result = self.worker.step(self.generation, self.plan, self.step)
         self.step += 1
+        if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
+            self._save()
         return result
+
+    def _save(self) -> None:
+        """The layers this device writes, as the checkpoint of the current step."""
+        if self.checkpoint_dir is not None and self.plan is not None and self.training:
+            checkpoint.save(self.worker, self.plan, self.checkpoint_dir, self.step)
 
     def request_abort(self, reason: str = "abort") -> None:
         """Make every member of the current generation leave its collectives."""

@@ -13,7 +13,15 @@ and carries out the agent's commands:
   generation is aborted (the agent sets ``<generation>abort`` when a rank dies or hangs), or
   after a grace of a few step times when it is not (peers that already moved on).
 - ``pause`` / ``resume`` (``resume`` may give the step to go on from); ``stop`` ends the rank.
-- ``restore`` is refused: the reference trainer keeps no checkpoint.
+- ``restore`` on its own is refused: ``apply_plan`` with ``restore: checkpoint`` reloads the
+  checkpoint under a new generation.
+
+The command's ``restore`` says where layers that no device of the new plan holds come from:
+``peers`` (the default), ``neighbours`` / ``neighbours_plus`` (CheckFree), ``checkpoint``
+(``Rank.apply``). A mode the rank does not know is refused (``invalid``, field ``restore``).
+With a ``dump`` directory the rank writes its state after each applied plan and when it ends
+(``dump``), and every apply's timings go to the store (``<generation>timing/<device>``), for
+drills and tests.
 
 A plan the trainer cannot run (tp > 1, a layer with no live holder) is refused with the field
 at fault, and the rank keeps its state.
@@ -21,18 +29,22 @@ at fault, and the rank keeps its state.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from controlplane.recovery.errors import RecoveryError
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
 from worker_agent.trainer.comm import Aborted
 from worker_agent.trainer.engine import PlanNotSupported, TrainConfig, TrainPlan
 from worker_agent.trainer.handover import NoHolder
-from worker_agent.trainer.rank import Rank
+from worker_agent.trainer.rank import BadRestore, Rank
 
 # A command that needs the rank out of its step waits this many step times (and at least
 # GRACE_FLOOR_S) for the step to end by itself before it aborts it.
@@ -83,14 +95,30 @@ def serve(
     port: int,
     device: int,
     max_steps: int | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    dump: Path | None = None,
 ) -> int:
     """Train ``plan`` and carry out the agent's commands until ``stop`` or the agent is gone
-    (without an agent: until ``max_steps``)."""
-    rank = Rank(device, host, port, config)
+    (without an agent: until ``max_steps``). ``resume``: start from the newest complete
+    checkpoint in ``checkpoint_dir`` rather than the initial weights."""
+    rank = Rank(
+        device,
+        host,
+        port,
+        config,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+    )
+    rank.dump = dump
     link.set_state("restoring")
     try:
-        rank.apply(plan, link.generation, fresh=True)
+        rank.apply(plan, link.generation, fresh=True, restore="checkpoint" if resume else "peers")
+        _record(rank, "start")
         state = "training" if rank.training else "idle"
+        if not rank.training:  # a warm standby: ready to take a stage without first-use costs
+            rank.worker.warm_up()
     except Aborted:  # a peer failed before the first step: wait for the plan around it
         state = "idle"
     link.set_state(state)
@@ -107,11 +135,13 @@ def serve(
             command = None
         else:
             if command is None:  # the agent is gone
+                _record(rank, "end")
                 return 0
             if command.action in PREEMPTING:
                 pending.clear()
             state = _carry_out(link, rank, command, state)
             if command.action == "stop":
+                _record(rank, "end")
                 return 0
             continue
         if not training:
@@ -129,7 +159,28 @@ def serve(
             in_step.clear()
         pump.last_step_s = result.step_time_s
         link.report_step(result.step, result.loss, result.step_time_s, samples=result.samples)
+    _record(rank, "end")
     return 0
+
+
+def _record(rank: Rank, tag: str) -> None:
+    """The last apply's timings in the store; with a dump directory, the rank's state in
+    ``DIR/{device}-{tag}.pt``: step, gradient norm and every held layer's ``export_layer``."""
+    if rank.generation is not None and rank.timings:
+        key = f"{rank.generation.prefix}timing/{rank.device}"
+        rank.store.set(key, json.dumps({**rank.timings, "at": time.time()}))
+    directory = rank.dump
+    if directory is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": rank.step,
+        "grad_norm": rank.worker.grad_norm,
+        "layers": {k: rank.worker.export_layer(k) for k in sorted(rank.worker.layers)},
+    }
+    tmp = directory / f".{rank.device}-{tag}.pt"
+    torch.save(state, tmp)
+    tmp.replace(directory / f"{rank.device}-{tag}.pt")
 
 
 def _carry_out(link: TrainerLink, rank: Rank, command: CommandMessage, state: str) -> str:
@@ -145,7 +196,14 @@ def _carry_out(link: TrainerLink, rank: Rank, command: CommandMessage, state: st
             new = TrainPlan.parse(command.plan, rank.config.model.layers)
             live = set(rank.plan.held if rank.plan else ()) & set(new.held)
             link.set_state("restoring")
-            rank.apply(command.plan, command.generation, live=live)
+            rank.apply(
+                command.plan, command.generation, live=live, restore=command.restore or "peers"
+            )
+            _record(rank, command.id)
+        except BadRestore as exc:
+            link.done(command.id, False, LinkError(message=str(exc), field="restore"))
+            link.set_state(state)
+            return state
         except (PlanNotSupported, RecoveryError, NoHolder) as exc:
             field = getattr(exc, "field", None) or "plan"
             link.done(command.id, False, LinkError(message=str(exc), field=field))
@@ -165,7 +223,10 @@ def _carry_out(link: TrainerLink, rank: Rank, command: CommandMessage, state: st
             rank.step = command.step
         state = "training" if rank.training else "idle"
     elif action == "restore":
-        message = "the reference trainer keeps no checkpoint to restore from"
+        message = (
+            "restore on its own is not carried out: the generation would not change; send "
+            "apply_plan with restore: checkpoint"
+        )
         link.done(command.id, False, LinkError(code="unsupported", message=message))
         return state
     elif action == "stop":
