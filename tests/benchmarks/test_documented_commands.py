@@ -51,6 +51,10 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.pitstop_gain", None): ("--seeds", "1", "--hours", "0.2", "--rows", "0,8"),
     ("benchmarks.sweep_workers", None): ("--seeds", "1", "--hours", "0.5"),
     ("benchmarks.estimator_accuracy", None): ("--quick", "--plans", "pp1-m4"),
+    ("benchmarks.trainer_recovery", None): (
+        *("--pp", "2", "--dp", "2", "--repeats", "1", "--paths", "rerouting"),
+        *("--steps-before", "3", "--steps-after", "2"),
+    ),
     ("benchmarks.recovery_e2e", None): (
         *("--policies", "rerouting", "--repeats", "1", "--warmup-steps", "3"),
     ),
