@@ -99,6 +99,7 @@ class Rank:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     progress_at: float = field(default_factory=time.monotonic)  # the step last advanced
     heard_at: float = field(default_factory=time.monotonic)  # its last message of any kind
+    fresh: bool = False  # training again, its first step not reported yet
     slow_steps: int = 0
     straggling: bool = False
     nan: bool = False
@@ -367,6 +368,8 @@ class Agent:
             if message.state != rank.state:
                 rank.progress_at = time.monotonic()  # training (again): the hang clock starts
                 rank.slow_steps = 0
+                rank.fresh = message.state == "training"
+                self.uplink.beat_now()  # a recovery is timed by the beat that shows it
             rank.state = message.state
         elif isinstance(message, link.DoneMessage):
             self._done(rank.device, message.command, message.ok, message.error)
@@ -381,6 +384,9 @@ class Agent:
 
     def _stepped(self, rank: Rank, message: link.StepMessage) -> None:
         now = time.monotonic()
+        if rank.fresh:  # the first step since it trains again: the recovery's last phase
+            rank.fresh = False
+            self.uplink.beat_now()
         if rank.step is None or message.step != rank.step:
             rank.progress_at = now
         rank.step, rank.step_time_s = message.step, message.step_time_s

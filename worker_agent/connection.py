@@ -74,6 +74,7 @@ class Uplink:
         self.refused: protocol.Error | None = None
         self._queue: deque[_QueuedFault | protocol.Ack] = deque(maxlen=MAX_QUEUED)
         self._wake = asyncio.Event()
+        self._beat_now = False
         self._ws: Any = None
 
     @property
@@ -101,6 +102,13 @@ class Uplink:
     def ack(self, ack: protocol.Ack) -> None:
         """Acknowledge a command now, or as soon as a socket is up."""
         self._queue.append(ack)
+        self._wake.set()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once rather than at the interval: the node's state
+        changed (its ranks train again under a new plan, or made their first step), and the
+        control plane times a recovery by those beats."""
+        self._beat_now = True
         self._wake.set()
 
     def drop(self) -> bool:
@@ -159,7 +167,8 @@ class Uplink:
                 while not stop.is_set() and not reader.done():
                     await self._flush(ws)
                     now = time.monotonic()
-                    if now >= next_beat:
+                    if now >= next_beat or self._beat_now:
+                        self._beat_now = False
                         self.seq += 1
                         await ws.send(protocol.encode(self.heartbeat(self.seq)))
                         jitter = random.uniform(-0.05, 0.05) * welcome.heartbeat_interval_s
