@@ -145,9 +145,7 @@ class InjectMessage(_Message):
     kind: Literal["nan"]
 
 
-RankMessage = (
-    HelloMessage | StepMessage | StateMessage | FaultMessage | DoneMessage | AliveMessage
-)
+RankMessage = HelloMessage | StepMessage | StateMessage | FaultMessage | DoneMessage | AliveMessage
 AgentMessage = CommandMessage | InjectMessage
 _RANK = TypeAdapter[RankMessage](Annotated[RankMessage, Field(discriminator="t")])
 _AGENT = TypeAdapter[AgentMessage](Annotated[AgentMessage, Field(discriminator="t")])
