@@ -49,7 +49,7 @@ def test_landing_page_links_health_schema_and_login(client: Client) -> None:
 
 def test_logging_in_shows_the_jobs_and_logging_out_needs_a_post(client: Client) -> None:
     viewer = User.objects.create_user("vic", password="pw-vic-1")
-    viewer.groups.add(Group.objects.get(name="viewer"))
+    viewer.groups.add(Group.objects.get_or_create(name="viewer")[0])
     response = client.post("/accounts/login/", {"username": "vic", "password": "pw-vic-1"})
     assert response.status_code == 302 and response["Location"] == "/"
     assert "<h1>Jobs</h1>" in text(client.get("/"))
