@@ -17,6 +17,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.server import ServerConnection
 
+from controlplane.demo import children_of as children_of  # re-exported for the tests
 from tests.processes import REPO_ROOT, clean_environment, free_port
 
 TOY = [sys.executable, "-m", "tests.worker_agent.toy_trainer"]
@@ -55,16 +56,6 @@ def carried_out(tmp: Path, node: str = "node-0") -> list[list[str]]:
     """The commands the toy ranks carried out: [device, id, action, generation] each."""
     path = tmp / f"toy-{node}.log"
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def poll(check: Callable[[], Any], what: str, timeout: float = 20) -> Any:
