@@ -48,4 +48,7 @@ while step < int(os.environ.get("STEPS", "100")) and not link.agent_gone:
     optimizer.step()
     step += 1
     link.report_step(step, loss.item(), time.monotonic() - began, samples=16 * world)
+# Leave together: a rank that tears its group down while a peer is still in a collective
+# aborts the peer (gloo calls std::terminate); under the agent, stop reaches every rank.
+dist.barrier()
 dist.destroy_process_group()
