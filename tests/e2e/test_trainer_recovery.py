@@ -227,7 +227,11 @@ def test_a_recovery_survives_the_server_redis_and_worker_restarting(drill: Drill
         stack.wait(lambda: drill.training("drill", 3), "training", 120)
         stack.kill("worker")  # the planning task waits in the broker
         low, high = kill_and_bound(drill, "drill", "node-1", 3)
-        stack.wait(lambda: drill.decisions("drill")[0]["status"] == "planning", "planning")
+        # the failure may not be recorded yet when the kill returns: no decision at first
+        stack.wait(
+            lambda: [d["status"] for d in drill.decisions("drill")][:1] == ["planning"],
+            "planning",
+        )
         stack.kill("server")  # the agents connect again to a new one
         stack.start("server")
         stack.kill("redis")  # the queued task is lost with it: the detector queues it again
