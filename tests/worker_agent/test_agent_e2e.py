@@ -133,8 +133,9 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
 def ranks_of(agent: subprocess.Popen[bytes]) -> list[int]:
     return sorted(
         poll(
-            lambda: len(children_of(agent.pid)) == 2 and children_of(agent.pid),
+            lambda: found if len(found := children_of(agent.pid)) == 2 else None,
             "the agent's two ranks",
+            60,  # two Python processes started on a loaded 2-core machine
         )
     )
 
