@@ -457,4 +457,6 @@ def _cell(value: Any) -> str:
 
 
 if __name__ == "__main__":
+    # a SIGTERM unwinds, so that the processes it started are stopped (``finally``)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raise SystemExit(main())

@@ -35,8 +35,10 @@ import argparse
 import itertools
 import math
 import random
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -418,4 +420,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # a SIGTERM unwinds, so that the processes it started are stopped (``finally``)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raise SystemExit(main())

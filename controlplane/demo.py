@@ -132,6 +132,20 @@ class Processes:
     def died(self) -> list[str]:
         return [name for name, p in self.running.items() if p.poll() is not None]
 
+    def post_mortem(self, names: Sequence[str], lines: int = 8) -> str:
+        """Each of ``names``' exit status and the end of its log, for an error message."""
+        parts = []
+        for name in names:
+            process = self.running.get(name)
+            status = "running" if process is None else f"exit status {process.poll()}"
+            try:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()
+            except OSError:
+                tail = []
+            parts.append(f"--- {name} ({status}), the end of its log:")
+            parts.extend(f"    {line}" for line in tail[-lines:])
+        return "\n".join(parts)
+
     def stop(self, name: str, sig: signal.Signals = signal.SIGTERM) -> None:
         process = self.running.pop(name, None)
         if process is None:
@@ -146,14 +160,19 @@ class Processes:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
+    def stop_together(self, names: Sequence[str]) -> None:
+        """SIGTERM every one of ``names`` at once, then wait for each (SIGKILL after a grace)."""
+        for name in names:
+            process = self.running.get(name)
+            if process is not None and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+        for name in names:
+            self.stop(name)
+
     def stop_all(self, last: Sequence[str] = ()) -> None:
         """SIGTERM everyone (``last`` after the others), each waited for, then SIGKILL."""
-        first = [n for n in reversed(list(self.running)) if n not in last]
-        for name in first:
-            with contextlib.suppress(ProcessLookupError):
-                self.running[name].send_signal(signal.SIGTERM)
-        for name in first:
-            self.stop(name)
+        self.stop_together([n for n in reversed(list(self.running)) if n not in last])
         for name in last:
             self.stop(name, signal.SIGINT)
 
@@ -229,7 +248,9 @@ def wait_for(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if processes is not None and (dead := processes.died()):
-            raise RuntimeError(f"{', '.join(dead)} exited; see {processes.logs}")
+            raise RuntimeError(
+                f"{', '.join(dead)} exited; see {processes.logs}\n{processes.post_mortem(dead)}"
+            )
         with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
             found = check()
             if found:
@@ -250,6 +271,7 @@ class TrainerJob:
     nodes: dict[str, list[int]]
     plane: ControlPlane
     agent_options: tuple[str, ...] = ()
+    trainer_options: tuple[str, ...] = ()  # after the rank command's ``--plan FILE``
     store_port: int = field(default_factory=free_port)
 
     def agent_name(self, node: str) -> str:
@@ -269,7 +291,7 @@ class TrainerJob:
             *("--store", f"127.0.0.1:{self.store_port}", *serve),
             *("--hang-floor", str(HANG_FLOOR_S), "--grace", "5", "--layers", "8"),
             *self.agent_options,
-            *("--", *TRAINER, str(self.scenario)),
+            *("--", *TRAINER, str(self.scenario), *self.trainer_options),
         ]
         return self.plane.processes.start(self.agent_name(node), command)
 
@@ -277,8 +299,9 @@ class TrainerJob:
         return self.plane.processes.running[self.agent_name(node)]
 
     def stop(self) -> None:
-        for node in reversed(list(self.nodes)):
-            self.plane.processes.stop(self.agent_name(node))
+        """SIGTERM every agent at once, then wait for each (SIGKILL after a grace)."""
+        names = [self.agent_name(node) for node in reversed(list(self.nodes))]
+        self.plane.processes.stop_together(names)
 
     def inject(self, kind: str, node: str, device: int) -> None:
         """``python -m worker_agent inject KIND --agent PID --device D``."""

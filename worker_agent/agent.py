@@ -8,7 +8,8 @@ and the link's environment (``worker_agent/link.py``), supervises them, and spea
 protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
 
 - a heartbeat every interval the welcome gives, made of the ranks' reports: the node's step (the
-  lowest of its ranks'), the last loss, samples/s, step time, and each device's state and memory;
+  lowest of its training ranks', of all when none trains), the last loss, samples/s, step
+  time, and each device's state and memory;
 - a ``fault`` the moment one is seen: a rank exited or was killed (``crash``, from the process
   table and the link's end), no step progress for ``hang_factor`` × its median step time and at
   least ``hang_floor_s`` while its link's pulses are silent, or for three times that
@@ -18,8 +19,9 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
   the other ranks leave their collectives, and a hung rank is killed;
 - every command carried out once per id by the ranks it concerns, acknowledged when they all
   said ``done`` (and again each time it is sent again); refused with an ``invalid`` error when
-  its action is unknown, its plan does not hold together, or a stage of its plan mixes this
-  node's devices with others';
+  its action is unknown, its plan does not hold together, a stage of its plan mixes this
+  node's devices with others', or its ``holders`` name a device of this node whose rank is not
+  running; an ``apply_plan``'s ``restore`` and ``holders`` go to the ranks with it;
 - SIGTERM or SIGINT: ``goodbye``, then the ranks are stopped (SIGTERM, SIGKILL after a grace
   period) and reaped, and the store is closed.
 
@@ -34,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import datetime as dt
+import importlib
 import json
 import logging
 import math
@@ -206,6 +209,29 @@ def check_plan(
     return None
 
 
+def check_holders(command: protocol.Command, dead: set[int]) -> protocol.Error | None:
+    """Why this node cannot take ``command``'s holders, or None: a holder is a device that
+    must take part in the handover, so one of this node's whose rank is not running cannot be
+    (the others would wait for it)."""
+    down = sorted(set(command.holders or ()) & dead)
+    if not down:
+        return None
+    return protocol.Error(
+        code=protocol.ErrorCode.INVALID,
+        message=f"names device {down[0]} as a live holder, whose trainer is not running",
+        field="holders",
+    )
+
+
+def _warm_up(store: bool) -> None:
+    """Import what a recovery needs, so that it does not pay for it: the first command's
+    ``check_plan`` the codec (a quarter of a second), the first fault's store client torch
+    (seconds)."""
+    importlib.import_module("controlplane.recovery.codec")
+    if store:
+        importlib.import_module("torch.distributed")
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -251,6 +277,9 @@ class Agent:
         if self.settings.seconds is not None:
             loop.call_later(self.settings.seconds, self.finish.set)
         try:
+            # before the ranks and the uplink: an import in a thread later would still hold
+            # the event loop up (heartbeats, the abort, a command) for as long as it runs
+            await asyncio.to_thread(_warm_up, self.store is not None)
             if self.store is not None and self.settings.serve_store:
                 await self.store.start()
             if self.settings.control:
@@ -508,8 +537,10 @@ class Agent:
 
     def heartbeat(self, seq: int) -> protocol.Heartbeat:
         live = [r for r in self.ranks.values() if r.alive and r.step is not None]
-        if live:
-            self.last_step = min(r.step for r in live if r.step is not None)
+        # a rank the plan left out idles at the step it stopped at: only those training count
+        counted = [r for r in live if r.state == "training"] or live
+        if counted:
+            self.last_step = min(r.step for r in counted if r.step is not None)
         training = [r for r in live if r.state == "training" and r.step_time_s]
         samples = sum(r.samples / r.step_time_s for r in training if r.step_time_s)
         step_time = _median([r.step_time_s for r in training if r.step_time_s is not None])
@@ -569,6 +600,7 @@ class Agent:
             step=command.step,
             generation=self.generation,
             restore=None if command.restore is None else command.restore.value,
+            holders=command.holders,
         )
         log.info(
             "command %s: %s to devices %s",
@@ -596,7 +628,10 @@ class Agent:
     def _refusal(self, command: protocol.Command) -> protocol.Error | None:
         if command.action is protocol.Action.APPLY_PLAN:
             dead = {d for d, r in self.ranks.items() if not r.alive}
-            return check_plan(command, set(self.settings.devices), dead, self.settings.layers)
+            refused = check_plan(command, set(self.settings.devices), dead, self.settings.layers)
+            if refused is None:
+                refused = check_holders(command, dead)
+            return refused
         return None
 
     def _done(self, device: int, command_id: str, ok: bool, error: link.LinkError | None) -> None:

@@ -18,7 +18,8 @@ rank → agent::
 agent → rank::
 
     {"t": "command", "id": "d17-apply", "action": "apply_plan", "plan": {...}, "step": null,
-     "generation": "d17/"}                            # pause | apply_plan | restore | resume | stop
+     "generation": "d17/", "restore": null, "holders": [0, 1, 5]}
+                                                      # pause | apply_plan | restore | resume | stop
     {"t": "inject", "kind": "nan"}                    # a fault injected for a drill
 
 Every child is also given ``PITSTOP_DEVICE`` (its device, the rank's identity), ``PITSTOP_NODE``,
@@ -138,6 +139,9 @@ class CommandMessage(_Message):
     # where layers no device holds come from (``protocol.RestoreMode``); None: from peers. Any
     # string passes here so that the rank, not the link, refuses a mode it does not know.
     restore: str | None = None
+    # the previous plan's live devices that may send layers (``protocol.Command.holders``);
+    # None: the devices of both plans
+    holders: list[int] | None = None
 
 
 class InjectMessage(_Message):

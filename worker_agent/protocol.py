@@ -25,6 +25,8 @@ VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 # The most devices one agent reports on (a node of today's largest hosts, with room to spare).
 MAX_DEVICES = 64
+# The most devices an ``apply_plan``'s ``holders`` lists (a job's; the frame's size binds first).
+MAX_HOLDERS = 1 << 16
 
 
 class ErrorCode(StrEnum):
@@ -220,6 +222,17 @@ class Command(_Frame):
     plan: dict[str, Any] | None = None
     step: Annotated[int, Field(ge=0)] | None = None  # resume from this step
     restore: RestoreMode | None = None  # apply_plan only; None: from peers
+    # apply_plan only: the previous plan's devices that are alive, when the new plan leaves
+    # some of them out; each may send the layers it holds (then it idles). None: the devices
+    # of both plans are the holders asked.
+    holders: Annotated[list[DeviceId], Field(min_length=1, max_length=MAX_HOLDERS)] | None = None
+
+    @field_validator("holders")
+    @classmethod
+    def _distinct_holders(cls, holders: list[int] | None) -> list[int] | None:
+        if holders is not None and len(set(holders)) != len(holders):
+            raise ValueError("lists a device twice")
+        return holders
 
 
 class Error(_Frame):

@@ -104,6 +104,7 @@ class FailureSerializer(serializers.ModelSerializer):
             "occurred_at",
             "detected_at",
             "detection_latency_s",
+            "step",
             "message",
         )
         read_only_fields = fields
@@ -133,6 +134,7 @@ class RecoverySerializer(serializers.ModelSerializer):
             "chosen_by",
             "reason",
             "deadline_at",
+            "resumed_step",
             "superseded_by",
             "created_at",
             "updated_at",
@@ -157,10 +159,20 @@ class OverrideSerializer(serializers.Serializer):
 
 
 class TimelineEventSerializer(serializers.ModelSerializer):
+    step = serializers.SerializerMethodField(
+        help_text="the training step the event records (its payload's step): failure_detected, "
+        "the job's at the failure; resumed, the agents' as they trained again; first_step and "
+        "recovered, the first step under the new plan; null for the others"
+    )
+
     class Meta:
         model = TimelineEvent
-        fields = ("id", "at", "kind", "actor", "decision", "failure", "payload")
+        fields = ("id", "at", "kind", "actor", "decision", "failure", "step", "payload")
         read_only_fields = fields
+
+    def get_step(self, event: TimelineEvent) -> int | None:
+        step = event.payload.get("step") if isinstance(event.payload, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class SweepSerializer(serializers.ModelSerializer):

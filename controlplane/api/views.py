@@ -41,7 +41,7 @@ from controlplane.simulations.models import Sweep
 
 _M = TypeVar("_M", bound=Model)
 
-TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "payload")
+TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "step", "payload")
 
 
 class CSVRenderer(BaseRenderer):
@@ -334,11 +334,19 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
     @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
     @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])
     def timeline(self, request: Request, pk: str | None = None) -> Response:
-        """This recovery's events and its phases (detect, plan, approve, transfer, restart,
-        first step)."""
+        """This recovery's events, its phases (detect, plan, approve, transfer, restart, first
+        step), the job's step at the failure and the step training resumed from (null until
+        it recovered)."""
         decision = self.get_object()
         events = _events(request, decision.events.all())
-        return _timeline_response(self, request, events, phases=phases(decision, list(events)))
+        return _timeline_response(
+            self,
+            request,
+            events,
+            phases=phases(decision, list(events)),
+            step_at_failure=decision.failure.step,
+            resumed_step=decision.resumed_step,
+        )
 
 
 class SweepViewSet(

@@ -5,7 +5,8 @@ recovered decision.
 its deadline): the decision becomes ``applying``, the plan becomes the job's, and one command
 row per connected node is written; the commands are published only after the commit. An agent
 acknowledges its command by id (``acked``), then reports training again and completes a step
-(``progress``); when every agent has, the decision is ``recovered`` and the job runs again.
+(``progress``); when every agent whose node runs a part of the plan has (a standby only
+acknowledges: ``training_commands``), the decision is ``recovered`` and the job runs again.
 
 Nothing is lost to a restart: commands live in the database, a reconnecting agent is sent its
 unacknowledged ones (``unfinished``), ``resend`` publishes again what stayed unacknowledged, and
@@ -24,7 +25,7 @@ from typing import Any
 import structlog
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Min, Q, QuerySet
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -57,6 +58,7 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
     """Start applying ``decision``'s plan; call inside the transaction that chose it."""
     job = decision.job
     nodes = list(Node.objects.filter(job=job, status=NodeStatus.HEALTHY).order_by("index"))
+    holders = live_holders(job, decision.plan, nodes)
     commands = []
     for node in nodes:
         command_id = uuid.uuid4()
@@ -66,6 +68,7 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
             decision=decision.pk,
             plan=decision.plan,
             restore=restore_mode(decision),
+            holders=holders,
         )
         commands.append(
             AgentCommand(
@@ -111,6 +114,32 @@ def restore_mode(decision: RecoveryDecision) -> protocol.RestoreMode | None:
         return None
     policy = candidates[decision.chosen].get("policy")
     return RESTORE_BY_POLICY.get(policy) if isinstance(policy, str) else None
+
+
+def _plan_devices(plan: Any) -> set[int]:
+    if not isinstance(plan, dict):
+        return set()
+    return {d for p in plan.get("pipelines", ()) for s in p["stages"] for d in s["devices"]}
+
+
+def live_holders(job: Job, plan: Any, nodes: Iterable[Node]) -> list[int] | None:
+    """The devices of the job's plan so far that are alive on ``nodes`` (those the command goes
+    to), when ``plan`` leaves one of them out; None when it keeps them all.
+
+    A rank takes the layers it lacks from live devices that held them under the previous plan;
+    by default it asks the devices of both plans, so a layer whose live holders the new plan all
+    leaves out (an operator's edit, a re-plan onto other devices) would have none. Listed here,
+    such a device sends what it is asked for and then idles. When the new plan keeps every
+    live device, the field is left out and the command is what it was before the field existed.
+    """
+    before, after = _plan_devices(job.plan), _plan_devices(plan)
+    if before <= after:
+        return None
+    on_nodes = Device.objects.filter(job=job, node__in=list(nodes)).exclude(
+        state=DeviceState.FAILED
+    )
+    alive = set(on_nodes.values_list("index", flat=True)) & before
+    return sorted(alive) if alive - after else None
 
 
 def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
@@ -201,10 +230,11 @@ def progress(command_id: str, *, step: int) -> int | None:
     """An agent acknowledged its command and its devices report training at ``step``.
 
     The first report marks it resumed (at that step); a later one past that step marks its
-    first step done. When every agent of the decision has resumed, the timeline says so; when
-    every one has completed a step, the decision is recovered and the job runs at the step.
-    Returns the step the agent resumed at while a step is still awaited, else None (done, or
-    the decision moved on).
+    first step done (at that step). When every agent of the decision has resumed, the timeline
+    says so; when every one has completed a step, the decision is recovered, resumed from the
+    step before the lowest of those first steps (``resumed_step``), and the job runs at the
+    step. Returns the step the agent resumed at while a step is still awaited, else None (done,
+    or the decision moved on).
     """
     now = timezone.now()
     with transaction.atomic():
@@ -223,9 +253,9 @@ def progress(command_id: str, *, step: int) -> int | None:
         if command.resumed_at is None:
             command.resumed_at, command.resumed_step = now, step
         elif command.stepped_at is None and step > (command.resumed_step or 0):
-            command.stepped_at = now
-        command.save(update_fields=["resumed_at", "resumed_step", "stepped_at"])
-        siblings = AgentCommand.objects.filter(decision=decision)
+            command.stepped_at, command.stepped_step = now, step
+        command.save(update_fields=["resumed_at", "resumed_step", "stepped_at", "stepped_step"])
+        siblings = training_commands(decision)
         job = command.decision.job
         if command.stepped_at is None:
             resumed = not siblings.filter(resumed_at__isnull=True).exists()
@@ -234,10 +264,27 @@ def progress(command_id: str, *, step: int) -> int | None:
             return command.resumed_step
         if not siblings.filter(stepped_at__isnull=True).exists():
             record(job, EventKind.FIRST_STEP, actor="system", decision=decision, step=step)
+            # the job's first step under the plan is the lowest an agent reported (one whose
+            # first beat after the ack came a step late reports the step after); training
+            # resumed from the step completed before it
+            lowest = siblings.aggregate(lowest=Min("stepped_step"))["lowest"]
+            resumed_from = None if lowest is None else max(lowest - 1, 0)
             transition(decision.pk, DecisionStatus.RECOVERED, actor="system",
-                       payload={"step": step})  # fmt: skip
+                       payload={"step": step, "resumed_step": resumed_from},
+                       resumed_step=resumed_from)  # fmt: skip
             Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING, step=step)
     return None
+
+
+def training_commands(decision: RecoveryDecision) -> QuerySet[AgentCommand]:
+    """The decision's commands to nodes that run a part of its plan: those waited for to train
+    again and make a step. A node whose devices the plan leaves out (a standby, a spare nobody
+    took) is sent the plan and acknowledges it, but has nothing to train."""
+    plan = decision.plan or {}
+    devices = {d for p in plan.get("pipelines", ()) for s in p["stages"] for d in s["devices"]}
+    return AgentCommand.objects.filter(
+        decision=decision, node__devices__index__in=devices
+    ).distinct()
 
 
 def _fail(decision_id: int, reason: str, *, actor: str) -> None:
@@ -269,7 +316,9 @@ def expire(*, timeout_s: float | None = None) -> list[int]:
     late = RecoveryDecision.objects.filter(status=DecisionStatus.APPLYING, updated_at__lt=before)
     for decision in late:
         waiting = sorted(
-            decision.commands.filter(stepped_at__isnull=True).values_list("node__name", flat=True)
+            training_commands(decision)
+            .filter(stepped_at__isnull=True)
+            .values_list("node__name", flat=True)
         )
         reason = (
             f"no step from {', '.join(waiting)} within {timeout_s:g} s"

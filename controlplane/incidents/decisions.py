@@ -52,9 +52,13 @@ def record_failure(
     occurred_at: dt.datetime,
     node: Node | None = None,
     message: str = "",
+    step: int | None = None,
     plan: Callable[[int], None] | None = None,
 ) -> tuple[Failure, RecoveryDecision]:
     """Record a failure and open the decision that will recover from it.
+
+    ``step`` is the job's last reported step as the caller knows it (the agent's fault frame,
+    else the heartbeats: ``snapshot.job_step``), kept on the failure and its timeline event.
 
     One incident, one failure: when the job's open decision is still planning, the devices
     join its failure (many ranks of one node report the same fault) and planning, which reads
@@ -117,6 +121,7 @@ def record_failure(
                     devices=devices,
                     merged_into=failure.pk,
                     detection_latency_s=_latency(occurred_at, now),
+                    step=step,
                 )
             return failure, open_decision
         failure = Failure.objects.create(
@@ -128,6 +133,7 @@ def record_failure(
             occurred_at=min(occurred_at, now),
             detected_at=now,
             message=message,
+            step=step,
         )
         if open_decision is not None:
             transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
@@ -142,6 +148,7 @@ def record_failure(
             failure_kind=kind,
             devices=devices,
             detection_latency_s=failure.detection_latency_s,
+            step=step,
         )
         record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure)
         if open_decision is not None:

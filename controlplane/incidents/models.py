@@ -38,6 +38,12 @@ class Failure(models.Model):
     occurred_at = models.DateTimeField(help_text="when it happened, as well as it is known")
     detected_at = models.DateTimeField()
     message = models.TextField(blank=True)
+    step = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="the job's last reported step when it was recorded: the step the agent sent "
+        "with its fault, else the highest of the nodes' latest heartbeats (null: none known)",
+    )
 
     class Meta:
         ordering = ("-detected_at",)
@@ -101,6 +107,13 @@ class RecoveryDecision(models.Model):
     )
     reason = models.TextField(blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
+    resumed_step = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="recovered: the step training resumed from, the last step completed before "
+        "the first one under the new plan (the failure's step when only the step in progress "
+        "was lost)",
+    )
     superseded_by = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="supersedes"
     )
@@ -148,7 +161,8 @@ class AgentCommand(models.Model):
 
     The agent reports back in stages: ``acked_at`` (it applied the command, or refused it:
     ``ok``), ``resumed_at`` (its devices report training again, at ``resumed_step``) and
-    ``stepped_at`` (a step completed after that). ``frame`` is the protocol's ``command`` frame.
+    ``stepped_at`` (a step completed after that, ``stepped_step``: the first step the node
+    reported under the new plan). ``frame`` is the protocol's ``command`` frame.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -167,6 +181,7 @@ class AgentCommand(models.Model):
     resumed_at = models.DateTimeField(null=True, blank=True)
     resumed_step = models.BigIntegerField(null=True, blank=True)
     stepped_at = models.DateTimeField(null=True, blank=True)
+    stepped_step = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ("created_at", "node")

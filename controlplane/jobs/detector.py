@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning, requeue_overdue
-from controlplane.jobs import liveness
+from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import Device, Node, NodeStatus, heavy
 
 log = structlog.get_logger(__name__)
@@ -52,6 +52,7 @@ def _silent_node(job_id: int, node_name: str, last_heard_s: float) -> int | None
         occurred_at=min(heard, timezone.now()),
         node=node,
         message=f"no heartbeat for {deadline_s():g} s ({liveness.MISSED_BEATS} missed)",
+        step=snapshot.job_step(job_id, node=node_name),
         plan=enqueue_planning,
     )
     return decision.pk

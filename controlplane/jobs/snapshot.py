@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 import redis as redis_sync
+from redis.exceptions import RedisError
 
 from controlplane.jobs import liveness
 
@@ -90,6 +91,24 @@ def latest(redis: redis_sync.Redis, job_id: int) -> dict[str, Any]:
     pipe.set(f"{key}:last", text, ex=60)
     pipe.execute()
     return built
+
+
+def job_step(job_id: int, *, node: str | None = None, known: int | None = None) -> int | None:
+    """The job's last reported step as its live picture shows it (``latest``: the highest of
+    its nodes' latest heartbeats, at most ``MAX_AGE_S`` old), counting ``node``'s latest
+    heartbeat and a step ``known`` otherwise too (a node that just failed, which the picture
+    may have dropped); None when none is known. Redis out of reach counts as nothing known:
+    what asks (a failure being recorded) goes on without."""
+    steps = [known]
+    try:
+        redis = liveness.sync_client()
+        steps.append(latest(redis, job_id)["step"])
+        if node is not None:
+            raw = redis.hget(liveness.frames_key(job_id), node)
+            steps.append(json.loads(raw).get("step") if raw else None)
+    except (RedisError, OSError, ValueError):
+        pass
+    return max((s for s in steps if isinstance(s, int)), default=None)
 
 
 def _text(value: Any) -> str:

@@ -26,11 +26,14 @@ EXIT_BAD_INPUT = 2
 T = TypeVar("T")
 
 
-def estimate(state: ClusterState) -> dict[str, Any]:
+def estimate(state: ClusterState, *, merge_rerouted: bool = False) -> dict[str, Any]:
     """Step time and per-device peak memory of the scenario's current plan."""
     peaks = peak_memory(state.profile, state.plan)
+    step = estimate_step_time(
+        state.profile, state.cluster, state.plan, merge_rerouted=merge_rerouted
+    )
     return {
-        "est_step_time_s": estimate_step_time(state.profile, state.cluster, state.plan),
+        "est_step_time_s": step,
         "peak_memory_bytes": {str(d): b for d, b in sorted(peaks.items())},
     }
 
@@ -200,6 +203,12 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
     est = commands.add_parser("estimate", help="step time and peak memory of a scenario's plan")
     est.add_argument("scenario", help="scenario JSON file (docs/scenario.md)")
+    est.add_argument(
+        "--merge-rerouted",
+        action="store_true",
+        help="a whole pipeline rerouted onto whole live ones runs as their extra micro-batches "
+        "(the reference trainer's routing) instead of eq. 13's stage-by-stage charge",
+    )
     pl = commands.add_parser("plan", help="recovery candidates of every policy, best chosen")
     pl.add_argument("scenario", help="scenario JSON file (docs/scenario.md)")
     pl.add_argument(
@@ -323,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser().parse_args(argv)
         scenario = load_scenario(args.scenario)
         if args.command == "estimate":
-            result = estimate(scenario.state)
+            result = estimate(scenario.state, merge_rerouted=args.merge_rerouted)
         elif args.command == "simulate":
             result = simulate(scenario, args)
         else:

@@ -59,6 +59,7 @@ class ModelSpec(_Strict):
     m_g: PerLayer = 0.0
     m_a: PerLayer = 0.0
     boundary_bytes: PositiveFloat | None = None
+    update_s: PerLayer = 0.0
 
 
 class ClusterSpec(_Strict):
@@ -475,7 +476,12 @@ def state_from_dict(data: Any) -> ClusterState:
         name: _per_layer(getattr(model, name), model.layers, f"model.{name}")
         for name in PER_LAYER_TERMS
     }
-    profile = ModelProfile(name=model.name, boundary_bytes=model.boundary_bytes, **terms)
+    profile = ModelProfile(
+        name=model.name,
+        boundary_bytes=model.boundary_bytes,
+        update_s=_per_layer(model.update_s, model.layers, "model.update_s"),
+        **terms,
+    )
     c = spec.cluster
     cluster = Cluster(
         devices=c.devices,
@@ -518,6 +524,9 @@ def state_to_dict(state: ClusterState) -> dict[str, Any]:
         model[name] = values[0] if len(set(values)) == 1 else list(values)
     if profile.boundary_bytes is not None:
         model["boundary_bytes"] = profile.boundary_bytes
+    if profile.has_update:
+        values = profile.update_s
+        model["update_s"] = values[0] if len(set(values)) == 1 else list(values)
     c = state.cluster
     defaults = Assumptions()
     return {

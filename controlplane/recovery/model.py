@@ -36,7 +36,9 @@ class ModelProfile:
     """Per-layer cost of one micro-batch: forward/backward seconds and memory terms in bytes.
 
     Times are measured at the job's tensor-parallel degree; memory terms are totals per layer and
-    are divided by the tensor-parallel degree to get one device's share.
+    are divided by the tensor-parallel degree to get one device's share. ``update_s`` is the
+    optimizer's update of a layer once per step (after the gradient sync); it is not one of
+    Odyssey's terms, so it defaults to zero (``()``: zero for every layer).
     """
 
     name: str
@@ -47,18 +49,22 @@ class ModelProfile:
     m_g: tuple[float, ...]
     m_a: tuple[float, ...]
     boundary_bytes: float | None = None
+    update_s: tuple[float, ...] = ()
     _fwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _bwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _static: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _state: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _grads: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _act: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
         if n == 0:
             raise InvalidScenario("a model needs at least one layer", field="model.layers")
-        for name in ("bwd_s", "m_p", "m_o", "m_g", "m_a"):
+        if not self.update_s:
+            object.__setattr__(self, "update_s", (0.0,) * n)
+        for name in ("bwd_s", "m_p", "m_o", "m_g", "m_a", "update_s"):
             if len(getattr(self, name)) != n:
                 raise InvalidScenario(f"expected {n} per-layer values", field=f"model.{name}")
         static = [p + o + g for p, o, g in zip(self.m_p, self.m_o, self.m_g, strict=True)]
@@ -69,6 +75,7 @@ class ModelProfile:
         object.__setattr__(self, "_state", _prefix(params))
         object.__setattr__(self, "_grads", _prefix(self.m_g))
         object.__setattr__(self, "_act", _prefix(self.m_a))
+        object.__setattr__(self, "_update", _prefix(self.update_s))
 
     @classmethod
     def uniform(
@@ -104,6 +111,15 @@ class ModelProfile:
 
     def bwd(self, first: int, end: int) -> float:
         return self._bwd[end] - self._bwd[first]
+
+    @property
+    def has_update(self) -> bool:
+        """Whether any layer's optimizer update takes time (a profile measured with it)."""
+        return self._update[-1] > 0
+
+    def update(self, first: int, end: int) -> float:
+        """Seconds of one optimizer update of layers [first, end), once per step."""
+        return self._update[end] - self._update[first]
 
     def static_bytes(self, first: int, end: int) -> float:
         """Parameters + optimizer state + gradients of layers [first, end)."""

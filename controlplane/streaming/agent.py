@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from controlplane.incidents import applying, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
-from controlplane.jobs import liveness
+from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import (
     AgentToken,
     Device,
@@ -112,6 +112,10 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
     """Record the agent's fault; returns the decision's id."""
     node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
     occurred = dt.datetime.fromtimestamp(frame.at, tz=dt.UTC)
+    # the step the agent saw it at (its rank's last), fresher than a heartbeat (a beat old)
+    step = frame.step
+    if step is None:
+        step = snapshot.job_step(session.job_id, node=session.node)
     _, decision = decisions.record_failure(
         node.job,
         kind=frame.kind.value,
@@ -120,12 +124,13 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
         occurred_at=min(occurred, timezone.now()),
         node=node,
         message=frame.message,
+        step=step,
         plan=enqueue_planning,
     )
     return decision.pk
 
 
-def _lost(session: Session, last_heard_s: float | None) -> None:
+def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -> None:
     """The socket closed without goodbye: every device of the node failed, now."""
     node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
@@ -139,6 +144,7 @@ def _lost(session: Session, last_heard_s: float | None) -> None:
         occurred_at=min(heard, now),
         node=node,
         message="the agent's socket closed without goodbye",
+        step=snapshot.job_step(session.job_id, known=last_step),
         plan=enqueue_planning,
     )
 
@@ -171,6 +177,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     session: Session | None = None
     last_seq = -1
     last_heard_s: float | None = None
+    last_step: int | None = None  # the step of its latest heartbeat
     leaving = False  # goodbye received, or replaced: the close is not a failure
     raw = "{}"  # the heartbeat being handled, as received
 
@@ -236,7 +243,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
         self.last_seq = frame.seq
         if isinstance(frame, protocol.Heartbeat):
-            self.last_heard_s = time.time()
+            self.last_heard_s, self.last_step = time.time(), frame.step
             session = self.session
             self.writer.beat(session.job_id, session.node, self.last_heard_s, self.raw, frame.at)
             if self.awaited and _training(frame):
@@ -332,5 +339,5 @@ class AgentConsumer(AsyncWebsocketConsumer):
             hub.hub().leave(session.job_id, session.node, self.id)
             if not self.leaving:
                 self.writer.forget(session.job_id, session.node)
-                await in_thread(_lost)(session, self.last_heard_s)
+                await in_thread(_lost)(session, self.last_heard_s, self.last_step)
                 log.info("agent.lost", job=session.job_id, node=session.node, code=code)

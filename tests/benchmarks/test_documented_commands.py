@@ -146,14 +146,23 @@ COMMANDS = documented()
 
 
 def run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """The command's result; past ``timeout`` it is sent SIGTERM (a command that started a
+    stack stops it then) and given a minute before SIGKILL, and the timeout is raised."""
+    command = [sys.executable, "-m", *args]
+    with subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +247,7 @@ def runnable() -> list[tuple[tuple[str, ...], str]]:
 @pytest.mark.parametrize(("words", "pages"), runnable(), ids=[" ".join(w) for w, _ in runnable()])
 def test_documented_command_runs(words: tuple[str, ...], pages: str, copy: Path) -> None:
     result = run(list(words), cwd=copy)
-    assert result.returncode == 0, f"{pages}: {' '.join(words)}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"{pages}: {' '.join(words)}\n{result.stderr[-6000:]}"
     written = [Path(p) for p in re.findall(r"^wrote (.+\.json)$", result.stdout, re.M)]
     outs = [value for flag, value in itertools.pairwise(words) if flag == "--out"]
     if outs and not written and (copy / outs[-1] / SUMMARY).exists():

@@ -143,15 +143,64 @@ async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
     assert decision.status == DecisionStatus.APPLYING
 
 
+async def beaten(job: Job, step: int, node: str = "node-0") -> None:
+    """Wait until the node's heartbeat at ``step`` is in Redis (they are written in batches)."""
+    redis = liveness.client()
+    try:
+        for _ in range(100):
+            last = await liveness.latest(redis, job.pk, node)
+            if last is not None and last["metrics"].get("step") == step:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no heartbeat at step {step} in Redis")
+    finally:
+        await redis.aclose()
+
+
+async def failure_of(job: Job) -> Failure:
+    for _ in range(200):
+        failure: Failure | None = await database_sync_to_async(
+            Failure.objects.filter(job=job).first
+        )()
+        if failure is not None:
+            return failure
+        await asyncio.sleep(0.02)
+    raise AssertionError("no failure recorded")
+
+
+@pytest.mark.parametrize(("fault_step", "recorded"), [(41, 41), (None, 43)])
+async def test_a_failure_keeps_the_step_it_happened_at(
+    agent: tuple[Job, WebsocketCommunicator], fault_step: int | None, recorded: int
+) -> None:
+    """The step the agent sends with its fault (its rank's last, fresher than a heartbeat), or
+    without one the job's last reported step from the heartbeats."""
+    job, socket = agent
+    await socket.send_to(heartbeat(1, step=42))
+    await socket.send_to(heartbeat(2, step=43))
+    await beaten(job, 43)
+    fault = protocol.Fault(
+        seq=3, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[2], step=fault_step
+    )
+    await socket.send_to(protocol.encode(fault))
+    failure = await failure_of(job)
+    assert failure.step == recorded
+    event = await database_sync_to_async(
+        lambda: failure.events.get(kind="failure_detected").payload
+    )()
+    assert event["step"] == recorded
+
+
 async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:
     job, token = await new_job()
     socket = await connect()
     await socket.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
     await said(socket)
+    await socket.send_to(heartbeat(1, step=17))
     await socket.disconnect(code=1006)
     failure = await database_sync_to_async(Failure.objects.get)(job=job)
     assert (failure.kind, failure.source, failure.devices) == ("node_lost", "socket", [4, 5, 6, 7])
     assert failure.detection_latency_s < 5
+    assert failure.step == 17  # its last heartbeat's, though the socket's close forgets it
     node = await database_sync_to_async(Node.objects.get)(job=job, name="node-1")
     assert node.status == NodeStatus.FAILED
 
@@ -242,6 +291,8 @@ async def test_a_silent_node_fails_once_after_the_deadline(
     agent: tuple[Job, WebsocketCommunicator],
 ) -> None:
     job, socket = agent
+    await socket.send_to(heartbeat(1, step=7))
+    await beaten(job, 7)
     redis = liveness.client()
     try:
         heard = (await liveness.latest(redis, job.pk, "node-0") or {})["at"]
@@ -254,5 +305,6 @@ async def test_a_silent_node_fails_once_after_the_deadline(
         await redis.aclose()
     failure = await database_sync_to_async(Failure.objects.get)(job=job)
     assert (failure.kind, failure.source, failure.devices) == ("hang", "heartbeat", [0, 1, 2, 3])
+    assert failure.step == 7  # the silent node's last heartbeat, though it is no longer watched
     await socket.send_to(protocol.encode(protocol.Goodbye()))  # the host came back and left
     assert await closed_with(socket) == 1000

@@ -319,6 +319,30 @@ def test_the_recovery_timeline_breaks_down_into_phases_and_exports_as_csv() -> N
     assert json.loads(rows[0]["payload"])["devices"] == [5]
 
 
+def test_the_step_at_the_failure_is_on_the_failure_and_its_timeline_row() -> None:
+    job, _ = create_job("stepped", copy.deepcopy(SCENARIO), enabled_policies=["dynamic"])
+    failure, decision = decisions.record_failure(
+        job, kind="crash", devices=[5], source=FailureSource.AGENT, occurred_at=timezone.now(),
+        step=41,
+    )  # fmt: skip
+    client = client_as("viewer")
+    assert client.get(f"/api/v1/failures/{failure.pk}/").json()["step"] == 41
+    shown = client.get(f"/api/v1/recoveries/{decision.pk}/").json()
+    assert (shown["failure"]["step"], shown["resumed_step"]) == (41, None)  # not recovered yet
+    url = f"/api/v1/recoveries/{decision.pk}/timeline/"
+    body = client.get(url).json()
+    assert (body["step_at_failure"], body["resumed_step"]) == (41, None)
+    assert [(e["kind"], e["step"]) for e in body["results"]] == [
+        ("failure_detected", 41),
+        ("planning_started", None),
+    ]
+    rows = list(csv.DictReader(io.StringIO(client.get(url, {"format": "csv"}).content.decode())))
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("failure_detected", "41"),
+        ("planning_started", ""),
+    ]
+
+
 def test_job_timelines_filter_by_time_and_refuse_bad_times() -> None:
     decision = proposed("auto")
     client = client_as("viewer")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import csv
 import datetime as dt
+import io
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +19,7 @@ import pytest
 import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -75,11 +78,15 @@ class Agent:
     async def send(self, frame: Any) -> None:
         await self.socket.send_to(protocol.encode(frame))
 
-    async def fault(self, *devices: int) -> None:
+    async def fault(self, *devices: int, step: int | None = None) -> None:
         self.seq += 1
         await self.send(
             protocol.Fault(
-                seq=self.seq, at=time.time(), kind=protocol.FaultKind.CRASH, devices=list(devices)
+                seq=self.seq,
+                at=time.time(),
+                kind=protocol.FaultKind.CRASH,
+                devices=list(devices),
+                step=step,
             )
         )
 
@@ -141,9 +148,11 @@ async def eventually(check: Any, timeout: float = 10) -> Any:
         await asyncio.sleep(0.02)
 
 
-async def commands_after_a_fault(job: Job, agents: dict[str, Agent]) -> dict[str, dict[str, Any]]:
-    """Device 5 crashes; the auto job's plan goes to both connected agents."""
-    await agents["node-1"].fault(5)
+async def commands_after_a_fault(
+    job: Job, agents: dict[str, Agent], step: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """Device 5 crashes (at ``step``); the auto job's plan goes to both connected agents."""
+    await agents["node-1"].fault(5, step=step)
     return {name: await agent.said() for name, agent in agents.items()}
 
 
@@ -185,6 +194,7 @@ async def test_an_auto_plan_reaches_every_agent_and_recovers_when_they_train_aga
     ]
     job_now = await database_sync_to_async(Job.objects.get)(pk=job.pk)
     assert (job_now.status, job_now.step) == (JobStatus.RUNNING, 101)
+    assert (await latest(job)).resumed_step == 100  # the step before the first one, 101
     events = await database_sync_to_async(lambda: list(decision.events.all()))()
     breakdown = {p["phase"]: p["seconds"] for p in phases(await latest(job), events)}
     assert all(seconds is not None and seconds >= 0 for seconds in breakdown.values()), breakdown
@@ -198,6 +208,58 @@ async def test_an_auto_plan_reaches_every_agent_and_recovers_when_they_train_aga
     policy = (("policy", "dynamic"),)
     assert samples[("pitstop_recovery_seconds_count", policy)] == 1
     assert 0 < samples[("pitstop_recovery_seconds_sum", policy)] < 30
+
+
+async def test_the_api_gives_the_step_at_the_failure_and_the_step_training_resumed_from(
+    cluster: tuple[Job, dict[str, Agent]],
+) -> None:
+    """Training resumes from the step before the lowest first step an agent reported: one
+    agent whose beats showed its return only a step late (its first counted beat already past
+    its first step) does not move it."""
+    job, agents = cluster
+    sent = await commands_after_a_fault(job, agents, step=100)
+    for name, agent in agents.items():
+        await agent.ack(sent[name]["id"])
+    # each beat handled before the next is sent (two sockets are two queues)
+    await agents["node-0"].beat(100)  # training again, before its first step
+    assert await eventually(lambda: _command_at(sent["node-0"]["id"], resumed=100))
+    await agents["node-1"].beat(102)  # ... first heard of past steps 101 and 102
+    assert await eventually(lambda: _command_at(sent["node-1"]["id"], resumed=102))
+    await agents["node-0"].beat(101)
+    assert await eventually(lambda: _command_at(sent["node-0"]["id"], stepped=101))
+    await agents["node-1"].beat(103)
+    assert await eventually(lambda: _status_is(job, DecisionStatus.RECOVERED))
+    decision = await latest(job)
+    assert (decision.failure.step, decision.resumed_step) == (100, 100)
+
+    def read() -> tuple[Any, Any, Any]:
+        client = Client()
+        client.force_login(User.objects.create_superuser("root", password="x"))
+        url = f"/api/v1/recoveries/{decision.pk}/"
+        timeline = client.get(f"{url}timeline/")
+        exported = client.get(f"{url}timeline/", {"format": "csv"}).content.decode()
+        return client.get(url).json(), timeline.json(), exported
+
+    shown, timeline, exported = await database_sync_to_async(read)()
+    assert (shown["failure"]["step"], shown["resumed_step"]) == (100, 100)
+    assert (timeline["step_at_failure"], timeline["resumed_step"]) == (100, 100)
+    steps = {e["kind"]: e["step"] for e in timeline["results"] if e["step"] is not None}
+    assert steps == {"failure_detected": 100, "resumed": 102, "first_step": 103, "recovered": 103}
+    rows = list(csv.DictReader(io.StringIO(exported)))
+    assert [(r["kind"], int(r["step"])) for r in rows if r["step"]] == list(steps.items())
+    assert json.loads(rows[-1]["payload"])["resumed_step"] == 100
+
+
+async def _command_at(
+    command_id: str, *, resumed: int | None = None, stepped: int | None = None
+) -> bool:
+    """Whether the command's node is recorded as resumed at, or stepped to, that step."""
+    found = AgentCommand.objects.filter(pk=command_id)
+    if resumed is not None:
+        found = found.filter(resumed_step=resumed)
+    if stepped is not None:
+        found = found.filter(stepped_step=stepped)
+    return bool(await database_sync_to_async(found.exists)())
 
 
 async def _has(decision: RecoveryDecision, kind: str) -> bool:

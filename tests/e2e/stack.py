@@ -77,9 +77,13 @@ class Stack:
         if port is not None:
             self.wait(lambda: _listening(port), f"{name} listening", 60)
 
-    def start_agent(self, node: str, job: str, token: str, store_port: int) -> None:
+    def start_agent(
+        self, node: str, job: str, token: str, store_port: int, dump: Path | None = None
+    ) -> None:
         """``python -m worker_agent run`` over the reference trainer's ranks of
-        ``TRAINER_SCENARIO`` for ``TRAINER_NODES[node]``; node-0's agent hosts the store."""
+        ``TRAINER_SCENARIO`` for ``TRAINER_NODES[node]``; node-0's agent hosts the store. With
+        ``dump``, every rank writes its state there after each plan it applies (the rank's
+        ``--dump``: ``DIR/{device}-{command id}.pt``, with the step it trains next)."""
         serve = ["--serve-store"] if node == "node-0" else []
         command = [
             *(
@@ -95,6 +99,7 @@ class Stack:
             *("--store", f"127.0.0.1:{store_port}", *serve, "--hang-floor", "3"),
             *("--", sys.executable, "-m", "worker_agent.trainer", "rank", "--plan"),
             str(TRAINER_SCENARIO),
+            *(() if dump is None else ("--dump", str(dump))),
         ]
         log = (self.tmp / f"agent-{node}.log").open("ab")
         self.processes[f"agent-{node}"] = subprocess.Popen(

@@ -1,10 +1,11 @@
 """Failure drills with real trainers: the reference trainer's ranks (4 CPU ranks over 2 agents,
 PP2 x DP2 of the 8-layer model) under the whole control plane in processes (Redis, Daphne, a
 Celery worker, the detector; tests/e2e/stack.py). A killed rank is recovered from automatically
-and training goes on at the step it stopped at; a manual decision is approved, another
-overridden with another candidate, through the REST API; the timeline exported as CSV is what
-happened; the server, the worker and Redis restart in the middle of a recovery and it still
-completes, once."""
+and training goes on at the step it stopped at: the step the API says it resumed from is the one
+the ranks themselves went on from, and the step the failure was recorded at; a manual decision
+is approved, another overridden with another candidate, through the REST API; the timeline
+exported as CSV is what happened; the server, the worker and Redis restart in the middle of a
+recovery and it still completes, once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.e2e.stack import TRAINER_NODES, TRAINER_POLICIES, TRAINER_SCENARIO, Stack
 from tests.processes import REPO_ROOT, clean_environment, free_port
@@ -57,11 +59,12 @@ ORDER = [
 class Drill:
     def __init__(self, stack: Stack, made: dict[str, Any]) -> None:
         self.stack, self.jobs, self.token = stack, made["jobs"], made["api_token"]
+        self.dumps = stack.tmp / "dumps"
 
     def start_job(self, job: str) -> None:
         port = free_port()
         for node in TRAINER_NODES:
-            self.stack.start_agent(node, job, self.jobs[job]["token"], port)
+            self.stack.start_agent(node, job, self.jobs[job]["token"], port, self.dumps / job)
 
     def stop_job(self) -> None:
         for name in [n for n in self.stack.processes if n.startswith("agent-")]:
@@ -141,22 +144,35 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drill]:
         stack.stop_all()
 
 
-def resumed_step(drill: Drill, decision: int) -> int:
-    events = drill.timeline(decision)["results"]
-    return int(next(e for e in events if e["kind"] == "resumed")["payload"]["step"])
+def trainer_resumed_from(drill: Drill, job: str, decision: dict[str, Any]) -> int:
+    """The step the ranks themselves went on from under ``decision``'s plan: each dumped its
+    state once the plan was applied (``--dump``, ``{device}-{command id}.pt``) with the step it
+    trains next; the last step completed is the one before."""
+    events = drill.timeline(decision["id"])["results"]
+    commands = {e["payload"]["command"] for e in events if e["kind"] == "command_sent"}
+    used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    steps = {}
+    for path in (drill.dumps / job).glob("*.pt"):
+        device, tag = path.stem.split("-", 1)
+        if tag in commands and int(device) in used:
+            steps[int(device)] = int(torch.load(path)["step"])
+    assert set(steps) == used and len(set(steps.values())) == 1, (steps, used)
+    return steps.popitem()[1] - 1
 
 
-def kill_and_bound(drill: Drill, job: str, node: str, device: int) -> tuple[int, int]:
-    """Kill ``device``'s rank right after reading the job's live step; the range the step the
-    job resumes at must fall in. The live picture is up to half a second old and the step
-    reported as resumed is the first heartbeat's after the ranks trained again (0.5 s apart),
-    so the range is that step, less the one lost, to the steps that fit in those two ages; a
-    job that started over, or skipped ahead, falls outside it."""
-    live = drill.live(job)
-    drill.kill(node, device)
-    age = time.time() - float(live["at"]) + 0.5
-    ahead = int(age / max(float(live["step_time_s"] or 0.05), 0.05)) + 2
-    return int(live["step"]) - 1, int(live["step"]) + ahead
+def assert_resumed_where_it_failed(drill: Drill, job: str, decision: dict[str, Any]) -> int:
+    """The recovery's ``resumed_step`` is exactly the step the ranks went on from, and that is
+    the step its failure was recorded at (the killed rank's last): in memory, only the step in
+    progress is lost. Or the one after it, when the killed rank had done its share of the step
+    in progress (its gradients in its peers' all-reduce) before it died unheard: its peers then
+    completed that step, and nothing at all is redone. Returns the step."""
+    failed, resumed = decision["failure"]["step"], decision["resumed_step"]
+    assert isinstance(failed, int) and isinstance(resumed, int), decision
+    assert resumed == trainer_resumed_from(drill, job, decision), decision
+    assert resumed - failed in (0, 1), (failed, resumed)
+    timeline = drill.timeline(decision["id"])
+    assert (timeline["step_at_failure"], timeline["resumed_step"]) == (failed, resumed)
+    return resumed
 
 
 def test_a_killed_rank_is_recovered_automatically_and_the_timeline_csv_says_so(
@@ -166,12 +182,16 @@ def test_a_killed_rank_is_recovered_automatically_and_the_timeline_csv_says_so(
     try:
         drill.stack.wait(lambda: drill.training("auto", 3), "training", 120)
         since = time.time()
-        low, high = kill_and_bound(drill, "auto", "node-1", 3)
+        drill.kill("node-1", 3)
         decision = drill.decision("auto", "recovered", timeout=60)
         print(f"kill -> recovered seen: {time.time() - since:.2f} s")
+        resumed = assert_resumed_where_it_failed(drill, "auto", decision)
         timeline = drill.timeline(decision["id"])
-        assert low <= resumed_step(drill, decision["id"]) <= high, (low, high, timeline)
         rows = drill.csv(decision["id"])
+        steps = {row["kind"]: row["step"] for row in rows if row["step"]}
+        assert steps["failure_detected"] == str(decision["failure"]["step"]), rows
+        recovered = json.loads(rows[-1]["payload"])
+        assert (rows[-1]["kind"], recovered["resumed_step"]) == ("recovered", resumed), rows
         kinds = [row["kind"] for row in rows]
         firsts = [k for k in dict.fromkeys(kinds) if k in ORDER]
         assert firsts == [k for k in ORDER if k != "proposed" or "proposed" in kinds], kinds
@@ -189,7 +209,7 @@ def test_manual_decisions_are_overridden_and_approved_through_the_api(drill: Dri
     drill.start_job("manual")
     try:
         drill.stack.wait(lambda: drill.training("manual", 3), "training", 120)
-        low, high = kill_and_bound(drill, "manual", "node-1", 3)
+        drill.kill("node-1", 3)
         first = drill.decision("manual", "proposed")
         time.sleep(1)
         assert drill.decisions("manual")[0]["status"] == "proposed", "waits for an operator"
@@ -202,17 +222,18 @@ def test_manual_decisions_are_overridden_and_approved_through_the_api(drill: Dri
         overridden = drill.decision("manual", "recovered", timeout=60)
         assert overridden["chosen"] == other and overridden["chosen_by"] == "root", overridden
         assert overridden["plan"] == first["candidates"][other]["plan"]
-        assert low <= resumed_step(drill, overridden["id"]) <= high
+        assert_resumed_where_it_failed(drill, "manual", overridden)
         kinds = [e["kind"] for e in drill.timeline(overridden["id"])["results"]]
         assert kinds.index("proposed") < kinds.index("overridden") < kinds.index("applying")
         assert "approved" not in kinds, kinds
         # a second failure: the operator approves the proposal as it is
         drill.stack.wait(lambda: drill.training("manual"), "training again", 60)
-        low, high = kill_and_bound(drill, "manual", "node-0", 0)
+        drill.kill("node-0", 0)
         second = drill.decision("manual", "proposed", count=2)
         drill.api(f"/api/v1/recoveries/{second['id']}/approve/", {"reason": "drill"})
         approved = drill.decision("manual", "recovered", count=2, timeout=60)
         assert approved["plan"] == second["plan"] and approved["chosen_by"] == "root"
+        assert_resumed_where_it_failed(drill, "manual", approved)
         kinds = [e["kind"] for e in drill.timeline(approved["id"])["results"]]
         assert kinds.index("proposed") < kinds.index("approved") < kinds.index("applying")
         drill.stack.wait(lambda: drill.training("manual"), "training on", 60)
@@ -226,7 +247,7 @@ def test_a_recovery_survives_the_server_redis_and_worker_restarting(drill: Drill
     try:
         stack.wait(lambda: drill.training("drill", 3), "training", 120)
         stack.kill("worker")  # the planning task waits in the broker
-        low, high = kill_and_bound(drill, "drill", "node-1", 3)
+        drill.kill("node-1", 3)
         # the failure may not be recorded yet when the kill returns: no decision at first
         stack.wait(
             lambda: [d["status"] for d in drill.decisions("drill")][:1] == ["planning"],
@@ -239,7 +260,7 @@ def test_a_recovery_survives_the_server_redis_and_worker_restarting(drill: Drill
         stack.start("redis")
         stack.start("worker")
         decision = drill.decision("drill", "recovered", timeout=90)
-        assert low <= resumed_step(drill, decision["id"]) <= high
+        assert_resumed_where_it_failed(drill, "drill", decision)
         kinds = [e["kind"] for e in drill.timeline(decision["id"])["results"]]
         assert kinds.count("applying") == 1 and kinds.count("command_acked") == 2, kinds
         assert kinds.count("failure_detected") == 1 and kinds[-1] == "recovered", kinds

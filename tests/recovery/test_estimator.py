@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.recovery.errors import InfeasiblePlan
+from controlplane.recovery.codec import state_from_dict, state_to_dict
+from controlplane.recovery.errors import InfeasiblePlan, InvalidScenario
 from controlplane.recovery.estimator import (
     estimate_step_time,
     peak_memory,
@@ -166,3 +168,103 @@ def test_communication_adds_time_only_with_bandwidths() -> None:
     grads = 2 * (2 - 1) / 2 * 4e9 / (10e9 / 8)
     assert slow > free + grads - 1e-9
     assert not math.isinf(slow)
+
+
+@given(
+    pp=st.integers(1, 4),
+    dp=st.integers(1, 4),
+    m=st.integers(1, 8),
+    data=st.data(),
+)
+@settings(max_examples=60)
+def test_optimizer_update_adds_the_slowest_devices_update(
+    pp: int, dp: int, m: int, data: st.DataObject
+) -> None:
+    """The update term, against a count written here: per device, the updates of the layers it
+    holds (once, rerouted stages included), the largest of those added to the step."""
+    layers = pp * 2
+    updates = data.draw(st.lists(st.floats(0.0, 1.0), min_size=layers, max_size=layers))
+    plan = grid_plan(layers, pp, dp, m)
+    if dp > 1 and data.draw(st.booleans()):
+        rerouted = reroute(plan, frozenset({dp * pp - 1}))
+        assert not isinstance(rerouted, str)
+        plan = rerouted
+    base = uniform_profile(layers, 0.5, 1.0)
+    with_update = dataclasses.replace(base, update_s=tuple(updates))
+    held: dict[int, set[int]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            for device in stage.devices:
+                held.setdefault(device, set()).update(range(*stage.layers))
+    slowest = max(sum(updates[k] for k in ks) for ks in held.values())
+    assert estimate_step_time(with_update, FREE, plan) == pytest.approx(
+        estimate_step_time(base, FREE, plan) + slowest
+    )
+
+
+def test_an_update_term_round_trips_and_defaults_to_nothing() -> None:
+    profile = uniform_profile(4)
+    assert profile.update_s == (0.0,) * 4 and not profile.has_update
+    state = state_from_dict(
+        {
+            "model": {"layers": 4, "fwd_s": 1.0, "bwd_s": 2.0, "update_s": [0.1, 0.2, 0.3, 0.4]},
+            "cluster": {"devices": 2},
+            "training": {"global_batch": 2},
+            "plan": {
+                "pipelines": [
+                    {
+                        "stages": [
+                            {"devices": [0], "layers": [0, 2]},
+                            {"devices": [1], "layers": [2, 4]},
+                        ],
+                        "micro_batches": 2,
+                    }
+                ]
+            },
+        }
+    )
+    assert state.profile.update(0, 2) == pytest.approx(0.3)
+    assert state_to_dict(state)["model"]["update_s"] == [0.1, 0.2, 0.3, 0.4]
+    assert "update_s" not in state_to_dict(dataclasses.replace(state, profile=profile))["model"]
+    with pytest.raises(InvalidScenario, match="3 values for 4 layers"):
+        state_from_dict(
+            {
+                **state_to_dict(state),
+                "model": {"layers": 4, "fwd_s": 1.0, "bwd_s": 1.0, "update_s": [0.1, 0.2, 0.3]},
+            }
+        )
+
+
+@given(
+    pp=st.integers(1, 4),
+    dp=st.integers(2, 5),
+    m=st.integers(1, 9),
+    data=st.data(),
+)
+@settings(max_examples=80)
+def test_merged_rerouting_runs_lost_pipelines_micro_batches_through_the_survivors(
+    pp: int, dp: int, m: int, data: st.DataObject
+) -> None:
+    """Whole pipelines lost: survivor j of r takes the lost micro-batches m with m mod r == j, so
+    the step is eq. 9 with the busiest survivor's count. Any other loss is eq. 13 either way."""
+    layers = 2 * pp
+    plan = grid_plan(layers, pp, dp, m)
+    profile = uniform_profile(layers, 0.5, 1.0)
+    lost = sorted(data.draw(st.sets(st.integers(0, dp - 1), min_size=1, max_size=dp - 1)))
+    failed = frozenset(p * pp + s for p in lost for s in range(pp))
+    rerouted = reroute(plan, failed)
+    assert not isinstance(rerouted, str)
+    survivors = dp - len(lost)
+    busiest = m + len(lost) * -(-m // survivors)
+    assert estimate_step_time(profile, FREE, rerouted, merge_rerouted=True) == pytest.approx(
+        symmetric_step_time(pp, busiest, 1.0, 2.0)
+    )
+    # one more device lost in a surviving pipeline: some stage keeps fewer replicas and the
+    # lost pipelines no longer map onto whole survivors, so eq. 13 charges everything
+    if survivors > 1 and pp > 1:
+        extra = failed | {(dp - 1 if dp - 1 not in lost else min(set(range(dp)) - set(lost))) * pp}
+        partial = reroute(plan, extra)
+        assert not isinstance(partial, str)
+        assert estimate_step_time(profile, FREE, partial, merge_rerouted=True) == pytest.approx(
+            estimate_step_time(profile, FREE, partial)
+        )

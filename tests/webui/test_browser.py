@@ -264,7 +264,7 @@ def test_a_recovery_timeline_is_drawn_and_exported(site: Site) -> None:
     kinds = [e["kind"] for e in exported.json()["results"]]
     assert kinds[0] == "failure_detected" and "recovered" in kinds
     csv = ops.context.request.get(site.url + ops.page.get_attribute("#export-csv", "href"))
-    assert csv.text().startswith("id,at,kind,actor,decision,failure,payload")
+    assert csv.text().startswith("id,at,kind,actor,decision,failure,step,payload")
     ops.close()
 
 

@@ -68,7 +68,11 @@ def test_a_command_is_carried_out_once_and_acknowledged_every_time(
 ) -> None:
     agent = start_agent(tmp_path, server=server.url, job="j", token="t")
     try:
-        poll(lambda: training(server), "training")
+        # the rank reports its memory apart from its steps: a beat may carry one before the other
+        poll(
+            lambda: training(server) and "memory_bytes" in (server.last_beat() or {})["devices"][0],
+            "training, with the rank's memory",
+        )
         beat = server.last_beat()
         assert beat is not None and beat["loss"] > 0 and beat["samples_per_s"] > 0
         assert beat["devices"][0]["memory_bytes"] == 1e9

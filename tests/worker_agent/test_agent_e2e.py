@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,13 +132,38 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
 
 
 def ranks_of(agent: subprocess.Popen[bytes]) -> list[int]:
-    return sorted(
-        poll(
-            lambda: found if len(found := children_of(agent.pid)) == 2 else None,
-            "the agent's two ranks",
-            60,  # two Python processes started on a loaded 2-core machine
-        )
-    )
+    """The agent's two toy ranks (its children running the toy trainer); a failure says what
+    the agent had started and how its log ends, and comes at once if the agent exited."""
+    log = _log_of(agent.pid)
+
+    def ranks() -> list[int] | None:
+        if agent.poll() is not None:
+            raise AssertionError(f"the agent exited with {agent.returncode}")
+        found = [pid for pid in children_of(agent.pid) if b"toy_trainer" in _cmdline(pid)]
+        return found if len(found) == 2 else None
+
+    try:
+        # two Python processes started on a loaded 2-core machine
+        return sorted(poll(ranks, "the agent's two ranks", 60))
+    except AssertionError as exc:
+        children = {pid: _cmdline(pid)[:120] for pid in children_of(agent.pid)}
+        tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else "(no log)"
+        raise AssertionError(f"{exc}; its children: {children}; its log ends: {tail}") from None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def _log_of(pid: int) -> Path | None:
+    """The file a live process writes its output to (``start_agent``'s log)."""
+    try:
+        return Path(os.readlink(f"/proc/{pid}/fd/1"))
+    except OSError:
+        return None
 
 
 def inject(*args: str) -> None:

@@ -12,7 +12,9 @@ and writes a scenario for the core (``profiler.py``).
 
 FILE is a plan in the core's format or a scenario file (its ``plan`` is used, and its
 ``training.micro_batch`` unless ``--micro-batch`` is given); the model gets the plan's number
-of layers.
+of layers. ``--accelerator auto|cpu|cuda|npu`` (all three commands; default ``auto``) says where
+the ranks compute and so which backend their collectives use (``device.py``); one that is not
+here is refused in one line, status 2, as is ``rank --resume`` without a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import Any
 import torch
 
 from worker_agent.link import TrainerLink
-from worker_agent.trainer import profiler
+from worker_agent.trainer import checkpoint, device, profiler
 from worker_agent.trainer.engine import TrainConfig
+from worker_agent.trainer.handover import NoHolder
 from worker_agent.trainer.launch import Phase, run_local
 from worker_agent.trainer.model import ModelConfig
+from worker_agent.trainer.rank import BadRestore
 from worker_agent.trainer.serve import serve
 
 
@@ -43,6 +47,13 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--checkfree-plus",
+        action="store_true",
+        help="train as CheckFree+ does: pipelines of 4 stages or more out of order, with copies "
+        "of the embedding and LM head on the swap partners (restore: neighbours_plus)",
+    )
+    device.add_option(parser)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,34 +93,50 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], micro_batch: int | N
         micro_batch=args.micro_batch or micro_batch or 2,
         optimizer=args.optimizer,
         lr=args.lr,
+        accelerator=device.resolve(args.accelerator),
+        checkfree_plus=args.checkfree_plus,
     )
 
 
 def _rank(args: argparse.Namespace) -> int:
     plan, scenario_micro_batch = _read_plan(args.plan)
     config = _config(args, plan, scenario_micro_batch)
+    if args.resume:  # refused here, before anything starts, rather than by the first restore
+        if args.checkpoint_dir is None:
+            print("rank: --resume needs --checkpoint-dir DIR", file=sys.stderr)
+            return 2
+        why = checkpoint.missing(args.checkpoint_dir, config.model.layers)
+        if why is not None:
+            print(f"rank: --resume: {why}", file=sys.stderr)
+            return 2
     link = TrainerLink.from_env()
-    device = link.device if link.device is not None else args.device
+    rank_device = link.device if link.device is not None else args.device
     store = link.store or args.store
-    if device is None or store is None:
+    if rank_device is None or store is None:
         print("rank: no agent: give --device and --store", file=sys.stderr)
         return 2
+    device.select(config.accelerator, device=rank_device)  # LOCAL_RANK out of range: refused
     host, _, port = store.rpartition(":")
     torch.set_num_threads(1)
-    code = serve(
-        link,
-        plan,
-        config,
-        host=host,
-        port=int(port),
-        device=device,
-        max_steps=args.steps,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        dump=args.dump,
-    )
+    try:
+        code = serve(
+            link,
+            plan,
+            config,
+            host=host,
+            port=int(port),
+            device=rank_device,
+            max_steps=args.steps,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            dump=args.dump,
+        )
+    except (NoHolder, BadRestore) as exc:  # the start's restore: the checkpoint went meanwhile
+        print(f"rank: --resume: {exc}", file=sys.stderr)
+        code = 2
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # never wait on the threads of abandoned groups
 
 
@@ -122,20 +149,33 @@ def _read_plan(path: Path) -> tuple[dict[str, Any], int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "rank":
-        return _rank(args)
-    if args.command == "profile":
-        return profiler.run(args)
+    try:
+        if args.command == "rank":
+            return _rank(args)
+        if args.command == "profile":
+            return profiler.run(args)
+        return _local(args)
+    except device.Unavailable as exc:  # the accelerator asked for is not here: one line
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _local(args: argparse.Namespace) -> int:
     plan, scenario_micro_batch = _read_plan(args.plan)
     config = _config(args, plan, scenario_micro_batch)
     layers, micro_batch = config.model.layers, config.micro_batch
     devices = args.devices or 1 + max(
         d for p in plan["pipelines"] for stage in p["stages"] for d in stage["devices"]
     )
+    device.check_ranks(config.accelerator, devices)
     result = run_local(devices, [Phase(plan, args.steps)], config, timeout_s=args.timeout)
     losses, times = result.losses(0), result.step_times(0)
     samples = sum(p["micro_batches"] for p in plan["pipelines"]) * micro_batch
-    print(f"{devices} devices, {layers} layers, {samples} samples per step", file=sys.stderr)
+    where = f"{config.accelerator} ({device.BACKENDS[config.accelerator]})"
+    print(
+        f"{devices} devices, {layers} layers, {samples} samples per step, on {where}",
+        file=sys.stderr,
+    )
     print(f"{'step':>5} {'loss':>9} {'step time':>10} {'samples/s':>10}")
     for step in sorted(losses):
         t = times[step]
@@ -148,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "plan": plan,
             "devices": devices,
+            "accelerator": config.accelerator,
             "model": {"layers": layers, "d_model": args.d_model, "seq": args.seq},
             "micro_batch": micro_batch,
             "samples_per_step": samples,

@@ -8,7 +8,8 @@ file whole or not at all. A checkpoint is complete when every layer's file is th
 complete one is the one loaded (``latest``). Because files are per layer, a plan that splits the
 layers differently, or puts them on other devices, loads the same checkpoint.
 
-Each writer keeps its layers' two newest checkpoints and removes older ones.
+Each writer keeps its layers' two newest checkpoints and removes older ones. Files hold host
+tensors, whatever device wrote them, and are loaded onto the reader's device.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _write(path: Path, tensor: torch.Tensor) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(tensor, f)
+            torch.save(tensor.cpu(), f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -83,10 +84,34 @@ def latest(directory: Path, layers: int) -> int | None:
     return None
 
 
+def missing(directory: Path, layers: int) -> str | None:
+    """Why ``directory`` holds no complete checkpoint of ``layers`` layers, in one line; None
+    when it holds one."""
+    if not directory.exists():
+        return f"{directory} does not exist"
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    found = steps(directory)
+    if not found:
+        return f"{directory} holds no checkpoint (no step-NNNNNNNN directory)"
+    if latest(directory, layers) is not None:
+        return None
+    newest = found[-1]
+    lacking = [k for k in range(layers) if not layer_file(directory, newest, k).is_file()]
+    names = ", ".join(layer_file(directory, newest, k).name for k in lacking)
+    older = " (nor is any older one complete)" if len(found) > 1 else ""
+    return (
+        f"no complete checkpoint in {directory}: the newest, {step_dir(directory, newest).name},"
+        f" lacks {len(lacking)} of the model's {layers} layer files: {names}{older}"
+    )
+
+
 def load(worker: Worker, directory: Path, step: int, first: int, end: int) -> None:
-    """Hold layers [first, end) as the checkpoint of ``step`` has them (and nothing else)."""
+    """Hold layers [first, end) as the checkpoint of ``step`` has them (and nothing else), on
+    the worker's device."""
     states = {
-        k: torch.load(layer_file(directory, step, k), weights_only=True) for k in range(first, end)
+        k: torch.load(layer_file(directory, step, k), weights_only=True, map_location=worker.where)
+        for k in range(first, end)
     }
     worker.layers, worker.optimizers, worker.undo = {}, {}, None
     worker.import_layers(states)

@@ -208,6 +208,7 @@ class Drill:
         *,
         restore: str | None = None,
         step: int | None = None,
+        holders: Sequence[int] | None = None,
     ) -> float:
         """Send ``apply_plan`` to ``devices``; when."""
         at = time.monotonic()
@@ -219,6 +220,7 @@ class Drill:
             generation=generation,
             restore=restore,
             step=step,
+            holders=None if holders is None else list(holders),
         )
         return at
 

@@ -95,7 +95,7 @@ def handover(worker: Worker, gen: Generation, moves: Sequence[Transfer], new: Tr
         def run() -> None:
             for t in moves:
                 if t.dst == me:
-                    buf = torch.empty(worker.state_numel(t.layer))
+                    buf = torch.empty(worker.state_numel(t.layer), device=worker.where)
                     gen.recv(recvs, buf, t.src, t.layer)
                     received[t.layer] = buf
             for t in moves:

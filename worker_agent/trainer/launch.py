@@ -8,7 +8,9 @@ step, the launcher SIGKILLs it (or leaves it hung) and sets the generation's abo
 agent that saw a peer die would. Survivors of an aborted phase go on to the next one with the
 step they lost.
 
-Every rank sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``.
+Every rank sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``. Ranks compute where
+``TrainConfig.accelerator`` says (``device.select``; on CUDA or an NPU, device d's rank takes
+device index d modulo the devices here, so a run needs as many of them as ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import queue as queue_module
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from worker_agent.trainer.comm import Aborted, request_abort
+from worker_agent.trainer.device import check_ranks, resolve
 from worker_agent.trainer.engine import StepResult, TrainConfig, TrainPlan, Worker
 from worker_agent.trainer.rank import Rank
 
@@ -91,7 +94,7 @@ class RunResult:
 
 def _weights(worker: Worker) -> dict[int, dict[str, np.ndarray]]:
     return {
-        k: {name: p.detach().numpy().copy() for name, p in layer.named_parameters()}
+        k: {name: p.detach().cpu().numpy().copy() for name, p in layer.named_parameters()}
         for k, layer in worker.layers.items()
     }
 
@@ -176,6 +179,10 @@ def run_local(
     config = config or TrainConfig()
     for i, phase in enumerate(phases):  # refuse a bad plan here, not in every rank
         TrainPlan.parse(phase.plan, config.model.layers, field=f"phases[{i}].plan")
+    # an absent accelerator, or too few devices, is refused here too; "auto" is resolved once
+    kind = resolve(config.accelerator, option="TrainConfig.accelerator")
+    check_ranks(kind, devices, option="TrainConfig.accelerator")
+    config = replace(config, accelerator=kind)
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()

@@ -163,6 +163,20 @@ def build_layer(config: ModelConfig, index: int) -> Layer:
     return layer
 
 
+def edge_parts(config: ModelConfig, index: int) -> tuple[str, ...]:
+    """The parts of layer ``index`` outside its block: ``embed`` on layer 0, ``norm`` and
+    ``head`` on the last (CheckFree+ keeps copies of them next to the edge stages)."""
+    parts = ("embed",) if index == 0 else ()
+    return parts + (("norm", "head") if index == config.layers - 1 else ())
+
+
+def build_edge(config: ModelConfig, index: int) -> nn.ModuleDict:
+    """Layer ``index``'s ``edge_parts`` with their initial weights (those of ``build_layer``),
+    named as in the layer (``embed.weight``, ``norm.weight``, ``head.weight``)."""
+    layer = build_layer(config, index)
+    return nn.ModuleDict({part: getattr(layer, part) for part in edge_parts(config, index)})
+
+
 def build_layers(config: ModelConfig, first: int, end: int) -> dict[int, Layer]:
     """Layers [first, end) by index, each built from its own seed."""
     if not 0 <= first < end <= config.layers:

@@ -17,19 +17,22 @@ measures, for one micro-batch of ``config.micro_batch`` samples:
 
 ``Profile.scenario(...)`` is a scenario in the core's format (``docs/scenario.md``): the
 profile, a cluster of the devices measured for, a training batch and a PP × DP plan, which
-``python -m controlplane.recovery estimate FILE`` reads. The device is CUDA when
-``torch.cuda.is_available()`` (times are then taken between synchronisations), the CPU otherwise.
+``python -m controlplane.recovery estimate FILE`` reads. The device is the trainer's choice
+(``device.select``: ``--accelerator``, by default CUDA when ``torch.cuda.is_available()``, else an
+NPU when ``torch_npu`` sees one, else the CPU); on an accelerator, times are taken between
+synchronisations.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,12 +43,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from worker_agent.trainer.engine import TrainConfig
+from worker_agent.trainer.device import Accelerator, add_option, select
+from worker_agent.trainer.engine import TrainConfig, Worker
 from worker_agent.trainer.model import Layer, ModelConfig, build_layer, loss_of
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device ``--accelerator auto`` picks (``device.select``)."""
+    return select("auto").torch_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,7 @@ class Profile:
             "m_g": [float(p.m_g) for p in self.layers],
             "m_a": [float(p.m_a) for p in self.layers],
             "boundary_bytes": float(self.boundary_bytes),
+            "update_s": [p.optimizer_s for p in self.layers],
         }
 
     def scenario(
@@ -216,8 +222,8 @@ class SavedBytes:
 
 
 def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        Accelerator(device.type, device.index).synchronize()
 
 
 def _optimizer(config: TrainConfig, layer: Layer) -> torch.optim.Optimizer:
@@ -311,6 +317,61 @@ class _LayerBench:
         return m_p, _state_bytes(self.optimizer), m_g, m_a, optimizer_s
 
 
+def _chained_times(
+    worker: Worker, tokens: torch.Tensor, targets: torch.Tensor
+) -> tuple[list[float], list[float], list[float]]:
+    """Every layer's forward, backward and update within one pass of the whole model.
+
+    ``worker`` holds every layer, as a rank of the trainer holds its stage's: the layers run one
+    after another on one micro-batch (the next layer reads what the last one wrote, the caches
+    hold what a real step leaves in them). Forward times are taken between layers; backward
+    times from a hook on each boundary activation's gradient, which autograd calls when the
+    layer after it has finished its backward. A layer's update is what the engine does with it
+    once per step after the backward (``Worker.step``): keep its state for a rollback
+    (``export_layer``), add its gradients' squares to the norm, step its optimizer.
+    """
+    n = len(worker.layers)
+    device = worker.where
+    marks: list[float] = [0.0] * (n + 1)
+
+    def stamp(k: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            _synchronize(device)
+            marks[k] = time.perf_counter()
+
+        return hook
+
+    x = tokens
+    f = [0.0] * n
+    _synchronize(device)
+    t = time.perf_counter()
+    for k in range(n):
+        x = worker.layers[k](x)
+        if k == n - 1:
+            x = loss_of(x, targets)
+        else:
+            x.register_hook(stamp(k + 1))  # the gradient of layer k+1's input
+        _synchronize(device)
+        now = time.perf_counter()
+        f[k], t = now - t, now
+    marks[n] = time.perf_counter()
+    torch.autograd.backward(x)  # the last layer's output is the loss
+    _synchronize(device)
+    marks[0] = time.perf_counter()
+    b = [marks[k] - marks[k + 1] for k in range(n)]
+    u = [0.0] * n
+    for k in range(n):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        worker.export_layer(k)
+        worker.grad_squares(k)
+        worker.optimizers[k].step()
+        _synchronize(device)
+        u[k] = time.perf_counter() - t0
+    worker.zero_grad()
+    return f, b, u
+
+
 def profile_model(
     config: TrainConfig | None = None,
     *,
@@ -318,13 +379,17 @@ def profile_model(
     repeat: int = 10,
     device: torch.device | str | None = None,
     progress: bool = False,
+    chained: bool = True,
 ) -> Profile:
     """Measure every layer of ``config.model`` for one micro-batch of ``config.micro_batch``.
 
-    Each layer runs ``warmup`` unmeasured forward+backward passes, then ``repeat`` measured
-    ones; the times are the medians. The layers are measured in turn, round-robin over
-    ``repeat`` rounds, so that a slow spell of the machine spreads over all of them rather than
-    landing on one. Sets ``torch.set_num_threads(1)`` on the CPU, as every rank does.
+    ``chained`` (the default) times the layers inside ``warmup`` unmeasured and ``repeat``
+    measured passes of the whole model, each followed by every layer's update
+    (``_chained_times``): the times a stage of the trainer sees. Otherwise each layer runs
+    alone, round-robin over the rounds, so that a slow spell of the machine spreads over all of
+    them (its caches then hold that one layer; the update is then the optimizer's alone, timed
+    once, the first). The times are the medians. Sets ``torch.set_num_threads(1)`` on the CPU,
+    as every rank does.
     """
     config = config or TrainConfig()
     if warmup < 0 or repeat < 1:
@@ -333,8 +398,14 @@ def profile_model(
     if where.type == "cpu":
         torch.set_num_threads(1)
     benches = [_LayerBench(config, k, where) for k in range(config.model.layers)]
+    if chained:
+        worker = Worker(0, config)
+        worker.hold(0, config.model.layers)
+        tokens = benches[0].tokens.to(worker.where)
+        targets = benches[-1].targets.to(worker.where)
     fwd: list[list[float]] = [[] for _ in benches]
     bwd: list[list[float]] = [[] for _ in benches]
+    upd: list[list[float]] = [[] for _ in benches]
     rounds = warmup + repeat
     bar = tqdm(
         total=rounds * len(benches) + len(benches),
@@ -351,11 +422,16 @@ def profile_model(
             memory.append(bench.memory())
             bar.update(1)
         for r in range(rounds):
-            for k, bench in enumerate(benches):
-                f, b = bench.once()
+            times: Iterable[tuple[float, float, float]]
+            if chained:
+                times = zip(*_chained_times(worker, tokens, targets), strict=True)
+            else:
+                times = ((*bench.once(), math.nan) for bench in benches)
+            for k, (f, b, u) in enumerate(times):
                 if r >= warmup:
                     fwd[k].append(f)
                     bwd[k].append(b)
+                    upd[k].append(u)
                 bar.update(1)
     layers = tuple(
         LayerProfile(
@@ -365,7 +441,7 @@ def profile_model(
             m_o=m_o,
             m_g=m_g,
             m_a=m_a,
-            optimizer_s=opt_s,
+            optimizer_s=statistics.median(upd[k]) if chained else opt_s,
             fwd_spread=(min(fwd[k]), max(fwd[k])),
             bwd_spread=(min(bwd[k]), max(bwd[k])),
         )
@@ -380,6 +456,7 @@ def profile_model(
         "threads": torch.get_num_threads(),
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "method": "chained" if chained else "isolated",
     }
     return Profile(
         config=config,
@@ -392,10 +469,10 @@ def profile_model(
     )
 
 
-def physical_memory_bytes() -> float | None:
-    """This machine's memory, or the CUDA device's; None when unknown."""
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory)
+def physical_memory_bytes(accelerator: Accelerator | None = None) -> float | None:
+    """The accelerator's memory, or this machine's (on the CPU); None when unknown."""
+    if accelerator is not None and accelerator.kind != "cpu":
+        return accelerator.memory_bytes()
     try:
         return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
@@ -443,11 +520,16 @@ def model_config(
 
 
 def _profile_child(
-    config: TrainConfig, warmup: int, repeat: int, cpus: set[int] | None, out: Any
+    config: TrainConfig,
+    warmup: int,
+    repeat: int,
+    cpus: set[int] | None,
+    chained: bool,
+    out: Any,
 ) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    out.put(profile_model(config, warmup=warmup, repeat=repeat, device="cpu"))
+    out.put(profile_model(config, warmup=warmup, repeat=repeat, device="cpu", chained=chained))
 
 
 def profile_concurrently(
@@ -457,6 +539,7 @@ def profile_concurrently(
     warmup: int = 3,
     repeat: int = 10,
     cpus: list[int] | None = None,
+    chained: bool = True,
 ) -> Profile:
     """``profile_model`` in ``processes`` processes at once, process i pinned to ``cpus[i]``.
 
@@ -475,7 +558,14 @@ def profile_concurrently(
         procs = [
             ctx.Process(
                 target=_profile_child,
-                args=(config, warmup, repeat, {cpus[i % len(cpus)]} if cpus else None, out),
+                args=(
+                    config,
+                    warmup,
+                    repeat,
+                    {cpus[i % len(cpus)]} if cpus else None,
+                    chained,
+                    out,
+                ),
                 daemon=True,
             )
             for i in range(processes)
@@ -605,6 +695,11 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured runs per layer")
     parser.add_argument("--repeat", type=int, default=20, help="measured runs per layer")
     parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="time every layer alone rather than within passes of the whole model",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -618,6 +713,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--out", type=Path, help="write the scenario here")
     parser.add_argument("--json", type=Path, help="write every measurement here")
+    add_option(parser)
 
 
 def run(args: Any) -> int:
@@ -630,13 +726,21 @@ def run(args: Any) -> int:
     if args.devices < args.pp or args.devices % args.pp:
         print("profile: --devices must be a multiple of --pp", file=sys.stderr)
         return 2
+    accelerator = select(args.accelerator)  # Unavailable: the command says so in one line
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    if args.processes > 1 and not torch.cuda.is_available():
+    if args.processes > 1 and accelerator.kind == "cpu":
         profile = profile_concurrently(
             config, args.processes, warmup=args.warmup, repeat=args.repeat, cpus=cpus
         )
     else:
-        profile = profile_model(config, warmup=args.warmup, repeat=args.repeat, progress=True)
+        profile = profile_model(
+            config,
+            warmup=args.warmup,
+            repeat=args.repeat,
+            device=accelerator.torch_device,
+            progress=True,
+            chained=not args.isolated,
+        )
     print(
         f"{profile.device}, {args.layers} layers, micro-batch {args.micro_batch}", file=sys.stderr
     )
@@ -645,7 +749,7 @@ def run(args: Any) -> int:
     if args.link:
         gbps = link_gbps(int(sum(p.m_g for p in profile.layers)), cpus=cpus)
         print(f"loopback all-reduce: {gbps:.2f} Gbit/s")
-    memory = physical_memory_bytes()
+    memory = physical_memory_bytes(accelerator)
     scenario = profile.scenario(
         devices=args.devices,
         pp=args.pp,

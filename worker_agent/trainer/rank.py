@@ -23,7 +23,9 @@ device may call ``apply``; one that takes no part builds no group).
   (``handover``): rerouting, a dynamic re-plan, an in-memory restore onto a standby;
 - ``"neighbours"``: a lost stage with no live copy is rebuilt as the gradient-norm weighted
   average of its pipeline neighbours (CheckFree), ``"neighbours_plus"`` also copies an edge stage
-  from its swap partner (CheckFree+) (``checkfree``); the other layers move from peers;
+  from its swap partner (CheckFree+), its embedding or LM head from the partner's copy, which a
+  rank keeps when its ``TrainConfig.checkfree_plus`` is set (``checkfree``); the other layers
+  move from peers;
 - ``"checkpoint"``: every device loads its stage from the newest complete checkpoint and the
   step goes back to the checkpoint's (``checkpoint``).
 
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_agent.trainer import checkpoint
-from worker_agent.trainer.checkfree import Rebuild, rebuild, rebuilds
+from worker_agent.trainer.checkfree import Rebuild, rebuild, rebuilds, share_copies
 from worker_agent.trainer.comm import (
     DEFAULT_TIMEOUT,
     AbortWatcher,
@@ -82,6 +84,7 @@ class Rank:
         self.config = config or TrainConfig()
         self.store = connect(host, port, timeout=timeout)
         self.worker = Worker(device, self.config)
+        self.worker.accelerator.activate()
         self.plan: TrainPlan | None = None
         self.generation: Generation | None = None
         self.abort: threading.Event | None = None
@@ -119,10 +122,10 @@ class Rank:
         layers move; ``BadRestore``, ``NoHolder`` (``checkfree.NoSource``) and
         ``engine.PlanNotSupported`` before anything changes.
         """
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         if restore not in RESTORES:
             raise BadRestore(f"restore: unknown mode {restore!r}; known: {', '.join(RESTORES)}")
-        new = TrainPlan.parse(plan, self.config.model.layers)
+        new = TrainPlan.parse(plan, self.config.model.layers, swap=self.config.checkfree_plus)
         old = None if fresh else self.plan
         # a device of the new plan is alive by construction; one left out of it may be dead
         alive = set(old.held if old else ()) & set(new.held) if live is None else set(live)
@@ -137,7 +140,9 @@ class Rank:
             moves = []
         elif old is not None and restore.startswith("neighbours"):
             plus = restore == "neighbours_plus"
-            rebuilt = rebuilds(old.plan, new.plan, alive, self.config.model, plus=plus)
+            rebuilt = rebuilds(
+                old.plan, new.plan, alive, self.config.model, plus=plus, copies=old.copies
+            )
             moves = transfers(old.plan, new.plan, alive, skip={r.layer for r in rebuilt})
         else:
             moves = transfers(old.plan, new.plan, alive) if old is not None else []
@@ -146,6 +151,7 @@ class Rank:
         self.leave()
         if self.device not in members:  # neither a stage nor a layer to send: idle
             self.worker.layers, self.worker.optimizers, self.worker.undo = {}, {}, None
+            self.worker.copies, self.worker.copy_optimizers = {}, {}
             self.plan = new
             return
         self.abort = abort or threading.Event()
@@ -158,6 +164,7 @@ class Rank:
             self.abort,
             subsets=new.sync_groups(),
             timeout=self.timeout,
+            accelerator=self.worker.accelerator,
         )
         if old is not None and loaded is None:
             self._agree_on_step(old, self.generation)
@@ -175,9 +182,12 @@ class Rank:
         else:
             rebuild(self.worker, self.generation, rebuilt)
             handover(self.worker, self.generation, moves, new)
+        if old is not None or loaded is not None:  # CheckFree+'s copies, as the layers are now
+            share_copies(self.worker, self.generation, new)
         self.worker.undo = None
         self.plan = new
         self.timings = {
+            "started_at": started_at,
             "regroup_s": regrouped - started,
             "transfer_s": time.perf_counter() - regrouped,
         }

@@ -13,11 +13,16 @@ a plan without rerouting. Since the simulated start times order every device's o
 every dependency the same way, running each device's list in order can never deadlock, however
 long the real operations take; and the order, hence the sum order of gradients, is the same in
 every run.
+
+An operation's ``stage`` is the micro-batch's position in its pipeline: the stage of that index,
+except in a pipeline trained out of order (CheckFree+, ``swapped``), where the odd micro-batches
+run the first two stages and the last two in swapped order (``stage_at``).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from controlplane.recovery.model import ExecutionPlan
@@ -25,7 +30,8 @@ from controlplane.recovery.model import ExecutionPlan
 
 @dataclass(frozen=True, slots=True, order=True)
 class Op:
-    """The forward or backward pass of one micro-batch through one stage of one pipeline."""
+    """The forward or backward pass of one micro-batch through one stage of one pipeline
+    (``stage``: the position in the pipeline, ``stage_at``)."""
 
     backward: bool
     pipeline: int
@@ -33,14 +39,32 @@ class Op:
     micro: int
 
 
-def executor(plan: ExecutionPlan, pipeline: int, stage: int, micro: int) -> int:
-    """The device that runs micro-batch ``micro`` of ``stage`` of ``pipeline`` (tp = 1)."""
-    s = plan.pipelines[pipeline].stages[stage]
+def stage_at(
+    plan: ExecutionPlan, pipeline: int, position: int, micro: int, swapped: Collection[int] = ()
+) -> int:
+    """The stage micro-batch ``micro`` runs at ``position`` of ``pipeline``: the same index,
+    except in a pipeline of ``swapped`` (CheckFree+'s out-of-order training), where an odd
+    micro-batch runs stage 1 before stage 0 and the last stage before the one before it."""
+    if pipeline not in swapped or micro % 2 == 0:
+        return position
+    last = plan.pipelines[pipeline].depth - 1
+    return {0: 1, 1: 0, last - 1: last, last: last - 1}.get(position, position)
+
+
+def executor(
+    plan: ExecutionPlan, pipeline: int, stage: int, micro: int, swapped: Collection[int] = ()
+) -> int:
+    """The device that runs micro-batch ``micro`` at position ``stage`` of ``pipeline``
+    (tp = 1)."""
+    s = plan.pipelines[pipeline].stages[stage_at(plan, pipeline, stage, micro, swapped)]
     return s.devices[micro % len(s.devices)] if s.rerouted else s.devices[0]
 
 
-def build_schedule(plan: ExecutionPlan, *, cap: bool = True) -> dict[int, list[Op]]:
-    """Every device's operations of one step, in the order it runs them."""
+def build_schedule(
+    plan: ExecutionPlan, *, cap: bool = True, swapped: Collection[int] = ()
+) -> dict[int, list[Op]]:
+    """Every device's operations of one step, in the order it runs them (``swapped``: the
+    pipelines trained out of order)."""
     ops: list[Op] = []
     for p, pipeline in enumerate(plan.pipelines):
         for s in range(pipeline.depth):
@@ -57,10 +81,11 @@ def build_schedule(plan: ExecutionPlan, *, cap: bool = True) -> dict[int, list[O
         return [own, Op(True, op.pipeline, op.stage + 1, op.micro)]
 
     def cost(op: Op) -> int:
-        layers = plan.pipelines[op.pipeline].stages[op.stage].layer_count
+        stage = stage_at(plan, op.pipeline, op.stage, op.micro, swapped)
+        layers = plan.pipelines[op.pipeline].stages[stage].layer_count
         return layers * (2 if op.backward else 1)
 
-    device_of = {op: executor(plan, op.pipeline, op.stage, op.micro) for op in ops}
+    device_of = {op: executor(plan, op.pipeline, op.stage, op.micro, swapped) for op in ops}
     waiting = {op: len(deps(op)) for op in ops}
     users: dict[Op, list[Op]] = {op: [] for op in ops}
     for op in ops:
@@ -94,7 +119,7 @@ def build_schedule(plan: ExecutionPlan, *, cap: bool = True) -> dict[int, list[O
                     best = key
         if best is None:
             if cap:  # cannot happen for the plans the core makes; never deadlock in any case
-                return build_schedule(plan, cap=False)
+                return build_schedule(plan, cap=False, swapped=swapped)
             raise RuntimeError("the plan's operations depend on each other in a cycle")
         start, _, device, op = best
         heap = ready[device]

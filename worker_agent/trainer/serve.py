@@ -8,8 +8,10 @@ generation (``PITSTOP_DEVICE``, ``PITSTOP_STORE``, ``PITSTOP_GENERATION``; docs/
 and carries out the agent's commands:
 
 - ``apply_plan``: join the new generation and move the layers the new plan needs from their
-  holders (``Rank.apply``; the holders asked are the devices of both plans), then train on from
-  ``step`` when the command gives one. A step in progress is left first: at once when the
+  holders (``Rank.apply``; the holders asked are the devices of both plans and the command's
+  ``holders``, the previous plan's live devices that the new plan leaves out: such a rank sends
+  what it is asked for and then idles, a spare), then train on from ``step`` when the command
+  gives one. A step in progress is left first: at once when the
   generation is aborted (the agent sets ``<generation>abort`` when a rank dies or hangs), or
   after a grace of a few step times when it is not (peers that already moved on).
 - ``pause`` / ``resume`` (``resume`` may give the step to go on from); ``stop`` ends the rank.
@@ -139,9 +141,10 @@ def serve(
                 return 0
             if command.action in PREEMPTING:
                 pending.clear()
+            if command.action == "stop":  # before the done: then the agent stops every rank
+                _record(rank, "end")
             state = _carry_out(link, rank, command, state)
             if command.action == "stop":
-                _record(rank, "end")
                 return 0
             continue
         if not training:
@@ -165,7 +168,8 @@ def serve(
 
 def _record(rank: Rank, tag: str) -> None:
     """The last apply's timings in the store; with a dump directory, the rank's state in
-    ``DIR/{device}-{tag}.pt``: step, gradient norm and every held layer's ``export_layer``."""
+    ``DIR/{device}-{tag}.pt``: step, gradient norm, every held layer's ``export_layer`` and
+    every CheckFree+ copy's ``export_edge``."""
     if rank.generation is not None and rank.timings:
         key = f"{rank.generation.prefix}timing/{rank.device}"
         rank.store.set(key, json.dumps({**rank.timings, "at": time.time()}))
@@ -176,7 +180,8 @@ def _record(rank: Rank, tag: str) -> None:
     state = {
         "step": rank.step,
         "grad_norm": rank.worker.grad_norm,
-        "layers": {k: rank.worker.export_layer(k) for k in sorted(rank.worker.layers)},
+        "layers": {k: rank.worker.export_layer(k).cpu() for k in sorted(rank.worker.layers)},
+        "copies": {k: rank.worker.export_edge(k).cpu() for k in sorted(rank.worker.copies)},
     }
     tmp = directory / f".{rank.device}-{tag}.pt"
     torch.save(state, tmp)
@@ -195,6 +200,7 @@ def _carry_out(link: TrainerLink, rank: Rank, command: CommandMessage, state: st
         try:
             new = TrainPlan.parse(command.plan, rank.config.model.layers)
             live = set(rank.plan.held if rank.plan else ()) & set(new.held)
+            live |= set(command.holders or ())  # live devices the new plan leaves out
             link.set_state("restoring")
             rank.apply(
                 command.plan, command.generation, live=live, restore=command.restore or "peers"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 
 from controlplane.recovery.codes import Code
@@ -193,24 +194,92 @@ def rerouted_extra_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
     return extra
 
 
+def update_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
+    """The optimizer update after the gradient sync: the slowest device's, each device updating
+    every layer it holds once (a device serving a rerouted stage holds those layers already)."""
+    if not profile.has_update:
+        return 0.0
+    held: dict[int, set[tuple[int, int]]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            for d in stage.devices:
+                held.setdefault(d, set()).add(stage.layers)
+    return max(sum(profile.update(*r) for r in ranges) for ranges in held.values())
+
+
+def merged_reroutes(plan: ExecutionPlan) -> tuple[dict[int, int], frozenset[int]]:
+    """Whole pipelines rerouted onto whole live pipelines, as their micro-batches' extra count.
+
+    A pipeline every stage of which is rerouted, where stage s lists the devices ``d_0 … d_{r-1}``
+    and live pipelines ``Q_0 … Q_{r-1}`` of the same layer split have ``d_j`` as their stage s,
+    hands its micro-batch m to ``Q_{m mod r}``: each ``Q_j`` then runs its own micro-batches and
+    those, through its own stages (the reference trainer's routing, ``docs/trainer.md``).
+    Returns the extra micro-batches per live pipeline index and the merged pipelines' indices;
+    pipelines rerouted otherwise are left to eq. 13.
+    """
+    live: dict[tuple[tuple[int, int], ...], dict[tuple[int, ...], int]] = {}
+    for q, pipeline in enumerate(plan.pipelines):
+        if not any(s.rerouted for s in pipeline.stages):
+            split = tuple(s.layers for s in pipeline.stages)
+            live.setdefault(split, {})[tuple(s.devices[0] for s in pipeline.stages)] = q
+    extra: dict[int, int] = {}
+    merged: set[int] = set()
+    for p, pipeline in enumerate(plan.pipelines):
+        stages = pipeline.stages
+        if not all(s.rerouted for s in stages) or plan.tp != 1:
+            continue
+        width = len(stages[0].devices)
+        if any(len(s.devices) != width for s in stages):
+            continue
+        by_devices = live.get(tuple(s.layers for s in stages), {})
+        found = (by_devices.get(tuple(s.devices[j] for s in stages)) for j in range(width))
+        targets = [q for q in found if q is not None]
+        if len(targets) != width:
+            continue
+        merged.add(p)
+        for m in range(pipeline.micro_batches):
+            extra[targets[m % width]] = extra.get(targets[m % width], 0) + 1
+    return extra, frozenset(merged)
+
+
 def estimate_step_time(
     profile: ModelProfile,
     cluster: Cluster,
     plan: ExecutionPlan,
     *,
     sync_s: float | None = None,
+    merge_rerouted: bool = False,
 ) -> float:
-    """Odyssey eq. 10: the slowest pipeline, plus rerouted work and data-parallel gradient sync.
+    """Odyssey eq. 10: the slowest pipeline, plus rerouted work and data-parallel gradient sync,
+    plus the optimizer update when the profile has one (``update_time``; zero in the papers'
+    profiles).
 
-    With free communication (no bandwidths) this is exactly eqs. 9-13. ``sync_s`` may be passed
-    when the caller has already computed the gradient synchronisation time.
+    With free communication (no bandwidths) and no update term this is exactly eqs. 9-13.
+    ``sync_s`` may be passed when the caller has already computed the gradient sync time.
+    ``merge_rerouted`` charges a whole pipeline rerouted onto whole live pipelines as extra
+    micro-batches flowing through them (``merged_reroutes``) instead of eq. 13's stage-by-stage
+    sum, which counts the rerouted stages one after another as if they did not overlap.
     """
     tp = plan.tp  # a property that walks the plan: read it once
-    compute = max(estimate_pipeline(profile, cluster, p, tp) for p in plan.pipelines)
-    compute += rerouted_extra_time(profile, plan)
+    if merge_rerouted and plan.has_rerouted_stages:
+        extra, merged = merged_reroutes(plan)
+        compute = max(
+            estimate_pipeline(
+                profile, cluster, replace(p, micro_batches=p.micro_batches + extra.get(q, 0)), tp
+            )
+            for q, p in enumerate(plan.pipelines)
+            if q not in merged
+        )
+        rest = replace(
+            plan, pipelines=tuple(p for q, p in enumerate(plan.pipelines) if q not in merged)
+        )
+        compute += rerouted_extra_time(profile, rest)
+    else:
+        compute = max(estimate_pipeline(profile, cluster, p, tp) for p in plan.pipelines)
+        compute += rerouted_extra_time(profile, plan)
     if sync_s is None:
         sync_s = gradient_sync_time(profile, cluster, plan)
-    return compute + sync_s
+    return compute + sync_s + update_time(profile, plan)
 
 
 def ring_allreduce_s(nbytes: float, group_size: int, bandwidth_bytes_per_s: float) -> float:

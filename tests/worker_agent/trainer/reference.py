@@ -26,22 +26,20 @@ class Reference:
     weights: Weights
 
 
+def one_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """One optimizer over the whole model, with the trainer's settings (SGD or AdamW)."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+
+
 def train_reference(config: TrainConfig, global_batch: int, steps: range) -> Reference:
     torch.set_num_threads(1)
     model = config.model
     layers = build_layers(model, 0, model.layers)
-    params = [p for k in sorted(layers) for p in layers[k].parameters()]
-    optimizer: torch.optim.Optimizer
-    if config.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=config.lr)
-    else:
-        optimizer = torch.optim.AdamW(
-            params,
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
+    optimizer = one_optimizer(config, [p for k in sorted(layers) for p in layers[k].parameters()])
     corpus = Corpus.default()
     losses = []
     for step in steps:
@@ -54,6 +52,69 @@ def train_reference(config: TrainConfig, global_batch: int, steps: range) -> Ref
         loss.backward()
         optimizer.step()
         losses.append(float(loss.item()))
+    weights = {
+        k: {name: p.detach().numpy().copy() for name, p in layer.named_parameters()}
+        for k, layer in layers.items()
+    }
+    return Reference(losses=losses, weights=weights)
+
+
+def train_reference_out_of_order(
+    config: TrainConfig,
+    plan: dict[str, Any],
+    steps: range,
+    *,
+    start: dict[int, dict[str, torch.Tensor]] | None = None,
+) -> Reference:
+    """CheckFree+'s training, one process, one copy of every parameter: each micro-batch of
+    ``plan`` (its samples addressed as the engine does) goes through the blocks of its
+    pipeline's stages in order, except the odd micro-batches of a pipeline of 4 stages or more,
+    which run stage 1's blocks before stage 0's and the last stage's before the one before it
+    (the paper's out-of-order schedule); the embedding first and the LM head last, always. The
+    loss is the mean over micro-batches; one AdamW (or SGD) over all parameters, from the
+    initial weights or from ``start`` (every layer's parameters by name; a fresh optimizer)."""
+    torch.set_num_threads(1)
+    model = config.model
+    layers = build_layers(model, 0, model.layers)
+    with torch.no_grad():
+        for k, values in (start or {}).items():
+            for name, p in layers[k].named_parameters():
+                p.copy_(values[name])
+    optimizer = one_optimizer(config, [p for k in sorted(layers) for p in layers[k].parameters()])
+    corpus = Corpus.default()
+    pipelines = [
+        ([tuple(s["layers"]) for s in p["stages"]], p["micro_batches"]) for p in plan["pipelines"]
+    ]
+    count = sum(m for _, m in pipelines)
+    first_layer, last_layer = layers[0], layers[model.layers - 1]
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        total = 0.0
+        sample = 0
+        for ranges, micros in pipelines:
+            depth = len(ranges)
+            for m in range(micros):
+                order = list(range(depth))
+                if depth >= 4 and m % 2:
+                    order[0], order[1] = 1, 0
+                    order[-2], order[-1] = depth - 1, depth - 2
+                x, y = corpus.batch(config.data_seed, step, sample, config.micro_batch, model.seq)
+                sample += config.micro_batch
+                assert first_layer.embed is not None and last_layer.head is not None
+                assert last_layer.norm is not None
+                h = first_layer.embed(x)
+                for s in order:
+                    for k in range(*ranges[s]):
+                        h = layers[k].block(h)
+                logits = last_layer.head(last_layer.norm(h))
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, model.vocab), y.reshape(-1)
+                )
+                (loss / count).backward()
+                total += float(loss.item()) / count
+        optimizer.step()
+        losses.append(total)
     weights = {
         k: {name: p.detach().numpy().copy() for name, p in layer.named_parameters()}
         for k, layer in layers.items()

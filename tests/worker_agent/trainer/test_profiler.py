@@ -64,14 +64,21 @@ def test_the_scenario_loads_in_the_core_and_estimates(profile: Profile, tmp_path
     state = load_scenario(path).state
     assert state.profile.fwd_s == tuple(p.fwd_s for p in profile.layers)
     assert state.profile.m_a == tuple(float(p.m_a) for p in profile.layers)
+    assert state.profile.update_s == tuple(p.optimizer_s for p in profile.layers)
+    assert all(p.optimizer_s > 0 for p in profile.layers)
     assert state.training.micro_batch == 2 and state.training.global_batch == 8
     result = cli.estimate(state)
     # two unequal stages: the 1F1B recurrence lies between eq. 9 with the faster and the slower
     times = [sum(p.fwd_s + p.bwd_s for p in profile.layers[a:b]) for a, b in ((0, 1), (1, 2))]
-    assert 5 * min(times) <= result["est_step_time_s"]
-    assert result["est_step_time_s"] <= 5 * max(times) + 8 * profile.boundary_bytes * 8 / 10e9
+    # then each device's optimizer update, the slower one's
+    update = max(p.optimizer_s for p in profile.layers)
+    assert 5 * min(times) + update <= result["est_step_time_s"]
+    assert (
+        result["est_step_time_s"] <= 5 * max(times) + 8 * profile.boundary_bytes * 8 / 10e9 + update
+    )
     one = load_one(profile, tmp_path)
-    assert one == pytest.approx(4 * sum(times), rel=1e-9)  # eq. 9: (1 + 4 - 1)(t_f + t_b)
+    # eq. 9: (1 + 4 - 1)(t_f + t_b), then one update of every layer
+    assert one == pytest.approx(4 * sum(times) + sum(p.optimizer_s for p in profile.layers))
     assert set(result["peak_memory_bytes"]) == {"0", "1"}
     first = profile.layers[0]
     # stage 0 of 2 keeps two micro-batches in flight (eq. 14)
@@ -108,3 +115,17 @@ def test_the_benchmark_runs_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert row["estimate_s"] > 0 and row["measured_s"] > 0
     assert len(row["rounds"]) == 1 and len(row["rounds"][0]["step_times_s"]) == 2
     assert "mean absolute percentage error" in capsys.readouterr().out
+
+
+def test_chained_and_isolated_profiles_time_every_layer(profile: Profile) -> None:
+    """The default times the layers within passes of the whole model, the other alone; both give
+    every layer a positive forward and backward (the chained backward is read off gradient hooks
+    between the layers, so a hook on the wrong tensor would give one layer a negative time)."""
+    alone = profile_model(
+        TrainConfig(model=MODEL, micro_batch=2), warmup=1, repeat=3, chained=False
+    )
+    assert profile.conditions["method"] == "chained" and alone.conditions["method"] == "isolated"
+    for p in (profile, alone):
+        assert all(layer.fwd_s > 0 and layer.bwd_s > 0 for layer in p.layers)
+        lo, hi = p.layers[0].bwd_spread
+        assert 0 < lo <= p.layers[0].bwd_s <= hi
