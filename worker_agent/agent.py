@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from worker_agent import faults, link, protocol
@@ -583,6 +583,9 @@ class Agent:
             )
             self.uplink.ack(protocol.Ack(command=command.id, ok=False, at=time.time(), error=error))
             return
+        if command.inject is not None:  # a drill: done here, at once, and acknowledged
+            self._inject_for(command.id, command.inject)
+            return
         if command.action is protocol.Action.APPLY_PLAN:
             if command.decision is not None:
                 self.generation = f"d{command.decision}/"
@@ -595,7 +598,7 @@ class Agent:
         self.pending[command.id] = pending
         message = link.CommandMessage(
             id=command.id,
-            action=command.action.value,
+            action=cast(link.RankAction, command.action.value),  # inject returned above
             plan=command.plan,
             step=command.step,
             generation=self.generation,
@@ -702,6 +705,20 @@ class Agent:
         with contextlib.suppress(OSError):
             await writer.drain()
         writer.close()
+
+    def _inject_for(self, command_id: str, injection: protocol.Injection) -> None:
+        """An ``inject`` command: the injection done, its outcome acknowledged (and kept, so that
+        the command sent again is acknowledged again, not injected twice)."""
+        answer = self.inject(injection.model_dump(mode="json", exclude_none=True))
+        error = None
+        if not answer["ok"]:
+            where = "inject.kind" if injection.kind is protocol.InjectKind.DROP else "inject.device"
+            error = protocol.Error(
+                code=protocol.ErrorCode.INVALID, message=answer["error"], field=where
+            )
+        ack = protocol.Ack(command=command_id, ok=error is None, at=time.time(), error=error)
+        self.outcomes[command_id] = ack
+        self.uplink.ack(ack)
 
     def inject(self, request: dict[str, Any]) -> dict[str, Any]:
         """Carry out one injection request; the answer for the requester."""

@@ -15,7 +15,8 @@
 - ``drop``: the agent closes its websocket abruptly (no close frame), then connects again.
 
 The request goes to the agent, which does it: over its control socket (a Unix socket, owner
-only, ``$TMPDIR/pitstop-agent-<agent pid>.sock``). ``--pid`` names a rank (its agent is its
+only, ``$TMPDIR/pitstop-agent-<agent pid>.sock``), or, from the control plane, as an ``inject``
+command (``POST /api/v1/jobs/{id}/drills/``). ``--pid`` names a rank (its agent is its
 parent) or the agent itself (``drop``); ``--agent`` with ``--device`` names a rank by device. A
 process that is not a rank of a running agent is never signalled.
 """
@@ -34,8 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-KINDS = ("kill", "hang", "slow", "nan", "drop")
-MAX_SECONDS = 600.0
+from worker_agent import protocol
+
+KINDS = tuple(kind.value for kind in protocol.InjectKind)
+MAX_SECONDS = protocol.MAX_INJECT_SECONDS
 SLOW_PERIOD_S = 0.1
 
 

@@ -127,12 +127,16 @@ class DoneMessage(_Message):
     error: LinkError | None = None
 
 
+# What a rank is asked to do (the agent does ``inject`` itself).
+RankAction = Literal["pause", "apply_plan", "restore", "resume", "stop"]
+
+
 class CommandMessage(_Message):
     """A command for the rank: what the control plane asked of its node."""
 
     t: Literal["command"] = "command"
     id: Annotated[str, Field(min_length=1)]
-    action: Literal["pause", "apply_plan", "restore", "resume", "stop"]
+    action: RankAction
     plan: dict[str, Any] | None = None
     step: Annotated[int, Field(ge=0)] | None = None
     generation: str

@@ -18,7 +18,16 @@ import math
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 VERSION = 1
 # A frame larger than this is refused before it is parsed.
@@ -203,6 +212,37 @@ class Action(StrEnum):
     RESTORE = "restore"  # receive or send layer weights as the plan's transfers say
     RESUME = "resume"
     STOP = "stop"
+    INJECT = "inject"  # a drill: inject the fault ``inject`` names into one of the node's ranks
+
+
+class InjectKind(StrEnum):
+    """The faults a drill injects (``worker_agent.faults``)."""
+
+    KILL = "kill"  # SIGKILL the rank: a crash
+    HANG = "hang"  # SIGSTOP the rank (continued after ``seconds``, if given)
+    SLOW = "slow"  # stop and continue it in a duty cycle for ``seconds``: a straggler
+    NAN = "nan"  # its next loss is NaN
+    DROP = "drop"  # the agent aborts its websocket (no close frame) and connects again
+
+
+MAX_INJECT_SECONDS = 600.0
+
+
+class Injection(_Frame):
+    """What an ``inject`` command injects: a kind, the device whose rank takes it (every kind but
+    ``drop``, which is the agent's own), how long (``hang``, ``slow``), and for ``slow`` the
+    share of each 0.1 s the rank is stopped."""
+
+    kind: InjectKind
+    device: DeviceId | None = None
+    seconds: Annotated[float, Field(gt=0, le=MAX_INJECT_SECONDS)] | None = None
+    stopped_fraction: Annotated[float, Field(gt=0, lt=1)] | None = None
+
+    @model_validator(mode="after")
+    def _device_named(self) -> Injection:
+        if self.kind is not InjectKind.DROP and self.device is None:
+            raise ValueError(f"{self.kind.value} needs the device whose rank takes it")
+        return self
 
 
 class RestoreMode(StrEnum):
@@ -226,6 +266,16 @@ class Command(_Frame):
     # some of them out; each may send the layers it holds (then it idles). None: the devices
     # of both plans are the holders asked.
     holders: Annotated[list[DeviceId], Field(min_length=1, max_length=MAX_HOLDERS)] | None = None
+    inject: Annotated[Injection | None, Field(validate_default=True)] = None  # inject only
+
+    @field_validator("inject")
+    @classmethod
+    def _inject_carries_its_fault(
+        cls, inject: Injection | None, info: ValidationInfo
+    ) -> Injection | None:
+        if (info.data.get("action") is Action.INJECT) != (inject is not None):
+            raise ValueError("inject, and only inject, carries the fault to inject")
+        return inject
 
     @field_validator("holders")
     @classmethod

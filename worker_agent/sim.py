@@ -36,6 +36,13 @@ from worker_agent.connection import Uplink
 
 log = logging.getLogger("worker_agent.sim")
 MAX_NODES = 4096
+# The fault an agent reports for each injected kind (``drop`` is the socket's, not a device's).
+SIMULATED_FAULT = {
+    protocol.InjectKind.KILL: protocol.FaultKind.CRASH,
+    protocol.InjectKind.HANG: protocol.FaultKind.HANG,
+    protocol.InjectKind.SLOW: protocol.FaultKind.STRAGGLER,
+    protocol.InjectKind.NAN: protocol.FaultKind.NAN,
+}
 
 
 @dataclass
@@ -52,6 +59,8 @@ class Node:
     since: float = field(default_factory=time.monotonic)
     outcomes: dict[str, protocol.Ack] = field(default_factory=dict)  # command id -> its ack
     stopped: bool = False
+    failed: set[int] = field(default_factory=set)  # devices a drill killed or hung
+    plan_devices: set[int] | None = None  # the devices the last plan applied uses, if any
 
     @property
     def step(self) -> int:
@@ -75,8 +84,47 @@ class Node:
             loss=1.5 + 2.5 * math.exp(-step / 500),
             samples_per_s=len(self.devices) / self.step_s if training else 0.0,
             step_time_s=self.step_s,
-            devices=[protocol.DeviceReport(device=d, state=self.state) for d in self.devices],
+            devices=[protocol.DeviceReport(device=d, state=self.state_of(d)) for d in self.devices],
         )
+
+    def state_of(self, device: int) -> protocol.DeviceState:
+        """As the agent reports it: a killed device is failed while the plan still uses it, and
+        idle once a plan leaves it out."""
+        if device not in self.failed:
+            return self.state
+        used = self.plan_devices is None or device in self.plan_devices
+        return protocol.DeviceState.FAILED if used else protocol.DeviceState.IDLE
+
+    def inject(
+        self, command_id: str, injection: protocol.Injection, uplink: Uplink
+    ) -> protocol.Ack:
+        """A drill (``inject``), once per id: the fault a rank would have shown reported as the
+        agent would report it (a killed or hung device stays failed); ``drop`` drops the socket."""
+        done = self.outcomes.get(command_id)
+        if done is not None:
+            return done
+        error = None
+        kind = injection.kind
+        if kind is protocol.InjectKind.DROP:
+            uplink.drop()
+        elif injection.device not in self.devices:
+            error = protocol.Error(
+                code=protocol.ErrorCode.INVALID,
+                message=f"device {injection.device} is not on {self.name}",
+                field="inject.device",
+            )
+        else:
+            if kind in (protocol.InjectKind.KILL, protocol.InjectKind.HANG):
+                self.failed.add(injection.device)
+            uplink.fault(
+                SIMULATED_FAULT[kind],
+                [injection.device],
+                step=self.step,
+                message=f"{kind.value} injected by a drill (simulated)",
+            )
+        ack = protocol.Ack(command=command_id, ok=error is None, at=time.time(), error=error)
+        self.outcomes[command_id] = ack
+        return ack
 
     async def carry_out(self, command: protocol.Command) -> protocol.Ack:
         """Do what ``command`` asks, once per id; the acknowledgement to send."""
@@ -105,6 +153,7 @@ class Node:
             except ValueError as exc:
                 return protocol.Error(code=protocol.ErrorCode.INVALID, message=str(exc))
         used = {d for p in plan.get("pipelines", []) for s in p["stages"] for d in s["devices"]}
+        self.plan_devices = used
         self.pause(protocol.DeviceState.RESTORING)
         await asyncio.sleep(self.restore_s)  # the weights this node's new stages need
         if step_s is not None:
@@ -122,7 +171,10 @@ async def keep_connected(node: Node, url: str, job: str, token: str, stop: async
 
     async def on_command(frame: protocol.Command) -> None:
         began = time.monotonic()
-        ack = await node.carry_out(frame)
+        if frame.inject is not None:
+            ack = node.inject(frame.id, frame.inject, uplink)
+        else:
+            ack = await node.carry_out(frame)
         uplink.ack(ack)
         log.info("%s: %s %s of decision %s in %.2f s", node.name, frame.action.value,
                  "done" if ack.ok else "refused", frame.decision,

@@ -6,9 +6,10 @@ from typing import Any
 
 from rest_framework import serializers
 
-from controlplane.incidents.models import Failure, RecoveryDecision, TimelineEvent
+from controlplane.incidents.models import Drill, Failure, RecoveryDecision, TimelineEvent
 from controlplane.jobs.models import ApprovalMode, Device, Job, Node
 from controlplane.simulations.models import Sweep
+from worker_agent.protocol import MAX_INJECT_SECONDS, InjectKind
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -156,6 +157,29 @@ class OverrideSerializer(serializers.Serializer):
     candidate = serializers.IntegerField(min_value=0, required=False)
     plan = serializers.JSONField(required=False, help_text="an edited plan (codec format)")
     reason = serializers.CharField(allow_blank=True, default="", max_length=2000)
+
+
+class DrillCreateSerializer(serializers.Serializer):
+    node = serializers.CharField(max_length=200, help_text="the node whose agent injects it")
+    kind = serializers.ChoiceField(choices=[k.value for k in InjectKind])
+    device = serializers.IntegerField(
+        min_value=0, required=False, help_text="the rank's device (every kind but drop)"
+    )
+    seconds = serializers.FloatField(
+        required=False,
+        min_value=0.001,
+        max_value=MAX_INJECT_SECONDS,
+        help_text="hang: continue the rank after this long; slow: for this long (default 10)",
+    )
+
+
+class DrillSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.name", read_only=True)
+
+    class Meta:
+        model = Drill
+        fields = ("id", "job", "node", "kind", "device", "seconds", "requested_by",
+                  "created_at", "sent_at", "acked_at", "ok", "error")  # fmt: skip
 
 
 class TimelineEventSerializer(serializers.ModelSerializer):

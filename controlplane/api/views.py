@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view, permission_classes
 from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import SAFE_METHODS
 from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -25,7 +26,7 @@ from controlplane.api import errors
 from controlplane.api import serializers as s
 from controlplane.api.roles import CanAdminister, CanOperate, CanRead, ReadOrAdminister
 from controlplane.bridge.vocabulary import describe_policies
-from controlplane.incidents import decisions
+from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import (
     DecisionStatus,
     EventKind,
@@ -175,6 +176,36 @@ class JobViewSet(
                 errors.body("live_data_unavailable", f"Redis cannot be reached: {exc}"),
                 status=status.HTTP_503_SERVICE_UNAVAILABLE,
             )
+
+    @extend_schema(
+        methods=["POST"], request=s.DrillCreateSerializer, responses={202: s.DrillSerializer}
+    )
+    @extend_schema(methods=["GET"], responses={200: s.DrillSerializer(many=True)})
+    @action(detail=True, methods=["get", "post"])
+    def drills(self, request: Request, pk: str | None = None) -> Response:
+        """Faults injected on purpose (newest first); an operator's POST sends one to a
+        connected node's agent, once: ``kill``, ``hang``, ``slow`` or ``nan`` into the rank of
+        ``device``, or ``drop`` (the agent's socket). 202: sent; the agent's acknowledgement
+        fills ``acked_at`` and ``ok``. 409 ``node_not_connected``."""
+        job = self.get_object()
+        if request.method == "GET":
+            found = job.drills.select_related("node")
+            page = self.paginate_queryset(found)
+            rows = s.DrillSerializer(page if page is not None else found, many=True).data
+            return self.get_paginated_response(rows) if page is not None else Response(rows)
+        given = s.DrillCreateSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        try:
+            actor = f"user:{request.user.username}"
+            drill = drills.inject(job, actor=actor, **given.validated_data)
+        except drills.DrillRefused as exc:
+            return Response(errors.body(exc.code, str(exc), exc.field), status=exc.status)
+        return Response(s.DrillSerializer(drill).data, status=status.HTTP_202_ACCEPTED)
+
+    def get_permissions(self) -> list[Any]:
+        if self.action == "drills":
+            return [(CanRead if self.request.method in SAFE_METHODS else CanOperate)()]
+        return list(super().get_permissions())
 
     @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
     @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])

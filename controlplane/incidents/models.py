@@ -154,6 +154,8 @@ class EventKind(models.TextChoices):
     RECOVERED = "recovered"
     FAILED = "failed"
     SUPERSEDED = "superseded"
+    DRILL_SENT = "drill_sent"  # an operator injected a fault for a drill (``Drill``)
+    DRILL_ACKED = "drill_acked"  # the agent did it, or refused it
 
 
 class AgentCommand(models.Model):
@@ -193,6 +195,35 @@ class AgentCommand(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} to {self.node} for decision {self.decision_id}"
+
+
+class Drill(models.Model):
+    """A fault injected on purpose into one node's rank (or its socket), for a drill.
+
+    Sent once, to a connected node's agent, as an ``inject`` command with this row's id; never
+    sent again (a kill that arrived late would be a surprise, not a drill). ``acked_at`` and
+    ``ok`` say what the agent made of it; the failure it causes is recorded as any other.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="drills")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="drills")
+    kind = models.CharField(max_length=8)  # worker_agent.protocol.InjectKind
+    device = models.PositiveIntegerField(null=True, blank=True)
+    seconds = models.FloatField(null=True, blank=True)
+    requested_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    ok = models.BooleanField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("-created_at",)
+
+    def __str__(self) -> str:
+        target = "its socket" if self.device is None else f"device {self.device}"
+        return f"{self.kind} into {self.node} ({target})"
 
 
 class AppendOnly(Exception):

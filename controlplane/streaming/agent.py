@@ -30,7 +30,7 @@ from django.db import connection
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from controlplane.incidents import applying, decisions
+from controlplane.incidents import applying, decisions, drills
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness, snapshot
@@ -266,6 +266,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         assert session is not None
         command = await in_thread(applying.acked)(session.node_id, frame)
         if command is None:
+            if await in_thread(drills.acked)(session.node_id, frame) is not None:
+                log.info("agent.drill_ack", node=session.node, drill=frame.command, ok=frame.ok)
+                return
             raise ProtocolError(
                 ErrorCode.UNKNOWN_COMMAND,
                 f"no command {frame.command!r} was sent to this node",
@@ -301,7 +304,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.command(message["command"])
 
     async def command(self, frame: dict[str, Any]) -> None:
-        self.awaited.setdefault(str(frame["id"]), Awaited())
+        if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
+            self.awaited.setdefault(str(frame["id"]), Awaited())
         await self.send(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -135,6 +136,19 @@ class Stack:
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
+
+    def post(self, path: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST ``body`` as JSON: the status and the JSON answer, an error's too."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Token {token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
 
     def wait(self, check: Callable[[], Any], what: str, timeout: float = 45) -> Any:
         deadline = time.monotonic() + timeout

@@ -111,3 +111,49 @@ def test_the_simulator_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture[s
         assert stopped.value.code == 2, argv
     error = capsys.readouterr().err
     assert "--allow-remote" in error and "4096" in error and "ws://HOST:PORT" in error
+
+
+def test_a_drill_into_a_simulated_node_is_a_fault_recovered_from(stack: Stack) -> None:
+    fast = json.loads(json.dumps(SCENARIO))
+    for layer in ("fwd_s", "bwd_s"):
+        fast["model"][layer] /= 100
+    scenario = stack.tmp / "scenario.json"
+    scenario.write_text(json.dumps(fast))
+    made = json.loads(stack.manage("shell", "-c", SETUP.format(path=str(scenario))))
+    for name in ("redis", "server", "worker", "detector"):
+        stack.start(name)
+    token, job = made["api_token"], made["job"]
+    nodes = [simulate(stack, made, 0, scenario), simulate(stack, made, 1, scenario)]
+    try:
+
+        def live() -> dict[str, Any]:
+            found: dict[str, Any] = stack.api(f"/api/v1/jobs/{job}/live/", token)
+            return found
+
+        stack.wait(lambda: live()["nodes_connected"] == 2 and live()["step"] > 0, "training")
+        code, drill = stack.post(
+            f"/api/v1/jobs/{job}/drills/", token, {"node": "node-1", "kind": "kill", "device": 5}
+        )
+        assert code == 202, drill
+
+        def recovered() -> list[dict[str, Any]]:
+            found = stack.api(f"/api/v1/recoveries/?job={job}", token)["results"]
+            return found if found and found[0]["status"] == "recovered" else []
+
+        decision = stack.wait(recovered, "recovery", 60)[0]
+        failures = stack.api(f"/api/v1/failures/?job={job}", token)["results"]
+        assert [(f["kind"], f["source"], f["devices"]) for f in failures] == [
+            ("crash", "agent", [5])
+        ], (failures, stack.log("sim-1"))
+        used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+        assert used and 5 not in used, decision
+        # the killed device, out of the plan, idles in the simulated node's heartbeats
+        stack.wait(lambda: live()["device_states"].get("failed", 0) == 0, "nothing failed")
+        drills = stack.api(f"/api/v1/jobs/{job}/drills/", token)["results"]
+        assert [(d["id"], d["ok"]) for d in drills] == [(drill["id"], True)]
+        kinds = [e["kind"] for e in stack.api(f"/api/v1/jobs/{job}/timeline/", token)["results"]]
+        assert kinds.index("drill_sent") < kinds.index("failure_detected"), kinds
+    finally:
+        for process in nodes:
+            if process.poll() is None:
+                process.kill()

@@ -73,13 +73,9 @@ class Drill:
     def api(self, path: str, body: dict[str, Any] | None = None) -> Any:
         if body is None:
             return self.stack.api(path, self.token)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.stack.port}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Authorization": f"Token {self.token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+        status, answer = self.stack.post(path, self.token, body)
+        assert status < 400, answer
+        return answer
 
     def live(self, job: str) -> dict[str, Any]:
         found: dict[str, Any] = self.api(f"/api/v1/jobs/{self.jobs[job]['id']}/live/")

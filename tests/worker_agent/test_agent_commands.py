@@ -156,8 +156,24 @@ def test_a_command_is_carried_out_once_and_acknowledged_every_time(
             "plan.pipelines[0].stages[1]",
             "",
         ),
+        (
+            command("bad", "inject", inject={"kind": "kill", "device": 7}),
+            "inject.device",
+            "no such rank running here",
+        ),
+        (command("bad", "inject", inject={"kind": "kill"}), "inject", "needs the device"),
+        (command("bad", "inject"), "inject", "carries the fault to inject"),
     ],
-    ids=["unknown-action", "no-plan", "layer-gap", "another-nodes-device", "device-twice"],
+    ids=[
+        "unknown-action",
+        "no-plan",
+        "layer-gap",
+        "another-nodes-device",
+        "device-twice",
+        "inject-another-device",
+        "inject-no-device",
+        "inject-nothing",
+    ],
 )
 def test_a_command_it_cannot_carry_out_is_refused_and_changes_nothing(
     server: ScriptedServer, tmp_path: Path, frame: dict[str, Any], field: str, message: str
@@ -178,6 +194,28 @@ def test_a_command_it_cannot_carry_out_is_refused_and_changes_nothing(
             ["0", "next", "pause", "d0/"],
             ["1", "next", "pause", "d0/"],
         ]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0
+
+
+def test_an_injection_is_done_once_per_id_and_acknowledged_every_time(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
+    agent = start_agent(tmp_path, server=server.url, job="j", token="t")
+    try:
+        poll(lambda: training(server), "training")
+        rank = children_of(agent.pid)
+        server.send(command("k1", "inject", inject={"kind": "kill", "device": 1}))
+        first = poll(lambda: server.acks("k1"), "the injection's ack")[0]
+        assert first["ok"] is True, first
+        crash = poll(lambda: server.of_type("fault"), "the crash it caused")
+        assert [(f["kind"], f["devices"]) for f in crash] == [("crash", [1])]
+        server.send(command("k1", "inject", inject={"kind": "kill", "device": 1}))
+        acks = poll(lambda: (found := server.acks("k1")) and len(found) == 2 and found, "again")
+        assert acks[1] == first, "the same outcome, not a second injection's refusal"
+        assert len(children_of(agent.pid)) == len(rank) - 1
+        assert not carried_out(tmp_path), "no rank was sent a command"
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=15) == 0

@@ -49,6 +49,7 @@ JOBS_MADE = [
     ("drop", "manual"),
     ("recover", "auto"),
     ("orphan", "manual"),
+    ("drill", "manual"),
 ]
 # tight detectors for steps of 0.05 s: a hang after 1 s still, a straggler at 2.5 × for 3 steps
 DETECTORS = (
@@ -90,6 +91,9 @@ class Plane:
             options=options,
             trainer=trainer,
         )
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return self.stack.post(path, self.api_token, body)
 
     def failures(self, job: str) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = self.stack.api(
@@ -353,6 +357,36 @@ def test_a_dropped_socket_is_a_lost_node_and_is_connected_again(plane: Plane) ->
         failure = plane.failure("drop", "node_lost")
         assert failure["source"] == "socket", failure
         plane.stack.wait(lambda: connections(plane, "drop") == 2, "connected again")
+    finally:
+        stop(agent)
+
+
+def test_a_drill_sent_through_the_api_kills_the_rank_and_is_acknowledged(plane: Plane) -> None:
+    agent = plane.agent("drill", *DETECTORS)
+    drills = f"/api/v1/jobs/{plane.jobs['drill']['id']}/drills/"
+
+    def acked(drill: dict[str, Any]) -> dict[str, Any] | None:
+        found = plane.stack.api(drills, plane.api_token)["results"]
+        return next((d for d in found if d["id"] == drill["id"] and d["acked_at"]), None)
+
+    try:
+        ranks = ranks_of(agent)
+        plane.stack.wait(lambda: plane.training("drill"), "training")
+        since = time.time()
+        code, drill = plane.post(drills, {"node": "node-0", "kind": "kill", "device": 1})
+        assert code == 202, drill
+        failure = plane.failure("drill", "crash")
+        assert failure["devices"] == [1] and "signal 9" in failure["message"], failure
+        print(f"kill drill over REST -> crash on the failures API: {latency(failure, since):.3f} s")
+        assert latency(failure, since) < BOUND_S
+        assert plane.stack.wait(lambda: acked(drill), "the drill's ack")["ok"] is True
+        assert not process_exists(ranks[1]) or ranks[1] not in children_of(agent.pid)
+        # the same rank again: the agent has no such rank now, and says so on the drill
+        code, again = plane.post(drills, {"node": "node-0", "kind": "kill", "device": 1})
+        assert code == 202, again
+        refused = plane.stack.wait(lambda: acked(again), "the second drill's ack")
+        assert refused["ok"] is False and "no such rank running here" in refused["error"]
+        assert [f["kind"] for f in plane.failures("drill")] == ["crash"], "one fault, once"
     finally:
         stop(agent)
 
