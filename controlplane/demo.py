@@ -18,7 +18,9 @@ and, with ``--scale N``, ``demo-scale``: N simulated nodes of 8 devices (auto, n
 
 Every ``--every`` seconds it injects a failure, in turn: ``demo-auto`` loses node-3 (its agent
 SIGKILLed: the node's ranks die with it), ``demo-auto`` has a rank SIGKILLed (crash),
-``demo-manual`` loses a simulated node, ``demo-auto`` has a rank SIGSTOPped (hang). The
+``demo-manual`` loses a simulated node, ``demo-auto`` has a rank SIGSTOPped (hang); the crash and
+the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as an
+operator would. The
 devices chosen keep a live holder for every layer. After the round the two jobs start afresh
 with all their devices. It prints one line per event and a status line every ``--status``
 seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops
@@ -303,14 +305,6 @@ class TrainerJob:
         names = [self.agent_name(node) for node in reversed(list(self.nodes))]
         self.plane.processes.stop_together(names)
 
-    def inject(self, kind: str, node: str, device: int) -> None:
-        """``python -m worker_agent inject KIND --agent PID --device D``."""
-        subprocess.run(
-            [sys.executable, "-m", "worker_agent", "inject", kind,
-             "--agent", str(self.agent(node).pid), "--device", str(device)],
-            cwd=ROOT, env=self.plane.processes.env, check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-
     def kill_node(self, node: str) -> None:
         """The node is lost: its agent SIGKILLed (its ranks die with it)."""
         self.plane.processes.stop(self.agent_name(node), signal.SIGKILL)
@@ -545,14 +539,20 @@ class Demo:
         elif kind == "node_loss":
             self.auto.kill_node(node)
             reporter.say(f"demo-auto: injected node loss: {node}'s agent SIGKILLed with its ranks")
-        elif kind == "crash":
-            assert device is not None
-            self.auto.inject("kill", node, device)
-            reporter.say(f"demo-auto: injected crash: SIGKILL to the rank of device {device}")
         else:
-            assert device is not None
-            self.auto.inject("hang", node, device)
-            reporter.say(f"demo-auto: injected hang: SIGSTOP to the rank of device {device}")
+            # the drill an operator runs: the control plane sends it to the node's agent
+            what = {"crash": ("kill", "SIGKILL"), "hang": ("hang", "SIGSTOP")}[kind]
+            body = {"node": node, "kind": what[0], "device": device}
+            try:
+                self.plane.api(f"/api/v1/jobs/{self.auto.id}/drills/", body)
+            except urllib.error.HTTPError as error:
+                refusal = json.loads(error.read() or b"{}").get("message", error.reason)
+                reporter.say(f"demo-auto: the {kind} drill was refused: {refusal}")
+                return
+            reporter.say(
+                f"demo-auto: injected {kind}: {what[1]} to the rank of device {device} "
+                f"(POST /api/v1/jobs/{self.auto.id}/drills/)"
+            )
 
     def run(self) -> int:
         args = self.args
