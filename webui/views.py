@@ -1,8 +1,9 @@
-"""Dashboard pages: jobs, a job live, a recovery (approve, override), what-if, simulations.
+"""Dashboard pages: jobs, a job live (and its drills), a recovery (approve, override), what-if,
+simulations.
 
 Every page needs a role (``controlplane.api.roles``): viewers read, operators also approve,
-override and start simulations. Actions call the same services as the REST API; the forms
-carry Django's CSRF token.
+override, run drills and start simulations. Actions call the same services as the REST API;
+the forms carry Django's CSRF token.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from controlplane.api.roles import Role, role_of
 from controlplane.api.views import phases
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
-from controlplane.incidents import decisions
+from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import DecisionStatus, RecoveryDecision
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import Device, Job, JobStatus, Node, heavy
 from controlplane.simulations import sweeps
 from controlplane.simulations.models import Sweep
 from webui import data
+from worker_agent.protocol import InjectKind
 
 View = Callable[..., HttpResponse]
+DRILLS_SHOWN = 10  # the newest drills on a job's page
 
 
 def role(request: HttpRequest) -> Role:
@@ -106,7 +109,48 @@ def _job(pk: int) -> Job:
 
 @needs(Role.VIEWER)
 def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    return page(request, "webui/job.html", job_context(_job(pk)))
+
+
+@require_POST
+@needs(Role.OPERATOR)
+def job_drill(request: HttpRequest, pk: int) -> HttpResponse:
+    """A drill (``incidents.drills``): the fault sent to the node's agent; a refusal is shown
+    beside the field it names, and nothing is sent."""
     job = _job(pk)
+    given = request.POST
+    error: dict[str, str | None] | None = None
+    device: int | None = None
+    seconds: float | None = None
+    try:
+        device = int(given["device"]) if given.get("device", "").strip() else None
+    except ValueError:
+        error = {"field": "device", "message": "expected a device number, e.g. 3"}
+    try:
+        seconds = float(given["seconds"]) if given.get("seconds", "").strip() else None
+    except ValueError:
+        error = error or {"field": "seconds", "message": "expected a number of seconds, e.g. 5"}
+    if error is None:
+        try:
+            drills.inject(
+                job,
+                node=given.get("node", ""),
+                kind=given.get("kind", ""),
+                device=device,
+                seconds=seconds,
+                actor=f"user:{request.user.get_username()}",
+            )
+        except drills.DrillRefused as exc:
+            error = {"field": exc.field, "message": str(exc)}
+        else:
+            return redirect(f"{reverse('webui:job', args=[pk])}#drills-h")
+    assert error is not None
+    # the page again, the error beside its field (Django's way with forms, as override's)
+    context = {**job_context(job), "drill_error": error, "drill_given": given}
+    return page(request, "webui/job.html", context)
+
+
+def job_context(job: Job) -> dict[str, Any]:
     grid = data.grid(job)
     recent = list(
         RecoveryDecision.objects.filter(job=job)
@@ -130,19 +174,17 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "recovery_url": reverse("webui:recovery", args=[0]),
         **grid,
     }
-    return page(
-        request,
-        "webui/job.html",
-        {
-            "job": job,
-            "config": config,
-            "counts": data.device_counts(grid["states"]),
-            "nodes": len(grid["nodes"]),
-            "recent": recent,
-            "open": next((d for d in recent if d.status in data.OPEN_STATUSES), None),
-            "plan": data.plan_rows(job.plan),
-        },
-    )
+    return {
+        "job": job,
+        "config": config,
+        "counts": data.device_counts(grid["states"]),
+        "nodes": len(grid["nodes"]),
+        "recent": recent,
+        "open": next((d for d in recent if d.status in data.OPEN_STATUSES), None),
+        "plan": data.plan_rows(job.plan),
+        "drills": list(job.drills.select_related("node")[:DRILLS_SHOWN]),
+        "drill_kinds": [kind.value for kind in InjectKind],
+    }
 
 
 # --- recoveries ----------------------------------------------------------------------------

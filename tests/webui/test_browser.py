@@ -301,3 +301,36 @@ def test_what_if_and_a_small_simulation_run_to_completion(site: Site) -> None:
         narrow.shot(f"{name}-narrow")
         assert narrow.page.evaluate(fits), f"the {name} page is wider than a phone"
     narrow.close()
+
+
+def test_an_operator_injects_a_drill_from_the_job_page(site: Site) -> None:
+    # last: the drill's failure is a second one of the live job (after node-1's agent's kill)
+    ops = Browser(site, "ops")
+    ops.go(f"/jobs/{site.made['live']}/")
+    failed_before = int(ops.page.inner_text('[data-count="failed"]'))
+    ops.page.fill("#drill-node", "node-9")  # no such node: refused beside the field
+    ops.page.select_option("#drill-kind", "kill")
+    ops.page.fill("#drill-device", "2")
+    ops.page.click("#drill")
+    error = ops.page.wait_for_selector("#drill-error")
+    assert "job live has no node 'node-9'" in error.inner_text()
+    assert ops.page.locator("#drills tbody tr").count() == 0, "nothing was sent"
+    assert ops.page.get_attribute("#drill-node", "aria-invalid") == "true"
+    ops.page.fill("#drill-node", "node-0")
+    ops.page.fill("#drill-device", "2")
+    ops.page.click("#drill")
+    ops.page.wait_for_selector("#drills tbody tr")
+    first = ops.page.locator("#drills tbody tr").first
+    assert "kill" in first.inner_text() and "node-0 device 2" in first.inner_text()
+    deadline = time.monotonic() + 30
+    while "done" not in ops.page.locator("#drills tbody tr").first.inner_text():
+        assert time.monotonic() < deadline, "the simulated agent never acknowledged the drill"
+        time.sleep(0.5)
+        ops.page.reload()
+    ops.page.wait_for_function(
+        f"Number(document.querySelector('[data-count=\"failed\"]').textContent) > {failed_before}",
+        timeout=10_000,
+    )
+    ops.page.locator("#drills-h").scroll_into_view_if_needed()
+    ops.shot("job-drill")
+    ops.close()

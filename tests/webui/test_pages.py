@@ -18,10 +18,12 @@ from django.test import Client
 from controlplane.celery import app as celery_app
 from controlplane.incidents.models import (
     DecisionStatus,
+    Drill,
     Failure,
     RecoveryDecision,
     TimelineEvent,
 )
+from controlplane.jobs import liveness
 from controlplane.jobs.models import Device, DeviceState, Job, Node
 from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
@@ -395,3 +397,62 @@ def test_a_trace_file_is_replayed_and_a_bad_one_is_named(
     assert sweep.summary is not None
     dynamic = sweep.summary["policies"]["dynamic"]
     assert dynamic["recoveries_mean"] == 1.0, dynamic  # the one failure the file names, each seed
+
+
+# --- drills --------------------------------------------------------------------------------
+
+
+def drill_form(client: Client, job: Job, **fields: str) -> Any:
+    return client.post(f"/jobs/{job.pk}/drills/", fields)
+
+
+def test_a_viewer_sees_the_drills_but_no_form_and_cannot_inject() -> None:
+    job, _ = create_job("drilled", copy.deepcopy(SCENARIO))
+    viewer = client_as("viewer")
+    page = text(viewer.get(f"/jobs/{job.pk}/"))
+    assert 'id="drills-h"' in page and 'id="drill-form"' not in page
+    assert drill_form(viewer, job, node="node-0", kind="kill", device="0").status_code == 403
+    assert not Drill.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"node": "node-0", "kind": "kill", "device": "0"}, "node", "is not connected"),
+        ({"node": "node-0", "kind": "kill", "device": "99"}, "device", "is not on node-0"),
+        ({"node": "node-0", "kind": "kill", "device": "x"}, "device", "a device number"),
+        ({"node": "node-0", "kind": "hang", "device": "0", "seconds": "5s"}, "seconds", "seconds"),
+        ({"node": "node-9", "kind": "nan", "device": "0"}, "node", "has no node"),
+        ({"node": "node-0", "kind": "melt", "device": "0"}, "kind", "Input should be"),
+    ],
+)
+def test_a_refused_drill_is_shown_beside_its_field_and_nothing_is_sent(
+    fields: dict[str, str], field: str, message: str
+) -> None:
+    job, _ = create_job("drilled", copy.deepcopy(SCENARIO))
+    response = drill_form(client_as("operator"), job, **fields)
+    assert response.status_code == 200  # the form again, its error beside the field
+    page = text(response)
+    shown = re.search(r'<p class="error" id="drill-error" role="alert">(.*?)</p>', page, re.S)
+    assert shown is not None and f"<code>{field}</code>" in shown[1] and message in shown[1], page
+    assert 'aria-invalid="true" aria-describedby="drill-error"' in page or field == "kind"
+    assert not Drill.objects.exists()
+
+
+def test_an_operators_drill_to_a_connected_node_is_sent_and_listed() -> None:
+    job, _ = create_job("drilled", copy.deepcopy(SCENARIO))
+    redis = liveness.sync_client()
+    redis.zadd(liveness.seen_key(job.pk), {"node-0": time.time()})  # as its agent's hello does
+    try:
+        operator = client_as("operator")
+        response = drill_form(operator, job, node="node-0", kind="hang", device="3", seconds="5")
+    finally:
+        redis.zrem(liveness.seen_key(job.pk), "node-0")
+    assert response.status_code == 302 and response["Location"].endswith("#drills-h")
+    drill = Drill.objects.get()
+    assert (drill.node.name, drill.kind, drill.device, drill.seconds) == ("node-0", "hang", 3, 5.0)
+    assert drill.sent_at is not None and drill.requested_by.startswith("user:u-operator")
+    row = re.search(r'<table id="drills">.*?<tbody><tr>(.*?)</tr>', text(operator.get(
+        f"/jobs/{job.pk}/")), re.S)  # fmt: skip
+    assert row is not None and "hang 5 s" in row[1] and "node-0 device 3" in row[1]
+    assert "<td>sent</td>" in row[1]
