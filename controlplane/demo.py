@@ -18,14 +18,13 @@ and, with ``--scale N``, ``demo-scale``: N simulated nodes of 8 devices (auto, n
 
 Every ``--every`` seconds it injects a failure, in turn: ``demo-auto`` loses node-3 (its agent
 SIGKILLed: the node's ranks die with it), ``demo-auto`` has a rank SIGKILLed (crash),
-``demo-manual`` loses a simulated node, ``demo-auto`` has a rank SIGSTOPped (hang); the crash and
-the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as an
-operator would. The
-devices chosen keep a live holder for every layer. After the round the two jobs start afresh
-with all their devices. It prints one line per event and a status line every ``--status``
-seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops
-everything it started (agents first, the server and its Redis last) and leaves nothing running.
-Everything listens on 127.0.0.1.
+``demo-manual`` loses a simulated node, ``demo-auto`` has a rank SIGSTOPped (hang); the crash
+and the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as
+an operator would. The devices chosen keep a live holder for every layer. After the round the
+two jobs start afresh with all their devices. It prints one line per event and a status line
+every ``--status`` seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or
+SIGTERM stops everything it started (agents first, the server and its Redis last) and leaves
+nothing running. Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations

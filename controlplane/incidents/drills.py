@@ -52,7 +52,9 @@ def inject(
     device: int | None = None,
     seconds: float | None = None,
 ) -> Drill:
-    """Send a drill to the node's agent; ``DrillRefused`` says why not (nothing is written)."""
+    """Send a drill to the node's agent; ``DrillRefused`` says why not: nothing is written,
+    but for a drill Redis would not take, kept as not sent. Called outside a transaction (the
+    API's and the page's views are), so that the drill is committed before its agent sees it."""
     try:
         injection = protocol.Injection(kind=kind, device=device, seconds=seconds)  # type: ignore[arg-type]
     except ValidationError as exc:  # the first problem, by field (a kind needing a device: device)
