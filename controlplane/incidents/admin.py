@@ -1,5 +1,6 @@
-"""Django admin of failures, recovery decisions, their commands and the timeline; decisions,
-commands and events change through the state machine only, so they are read-only here."""
+"""Django admin of failures, recovery decisions, their commands, drills and the timeline;
+decisions, commands, drills and events change through their services only, so they are
+read-only here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
-from controlplane.incidents.models import AgentCommand, Failure, RecoveryDecision, TimelineEvent
+from controlplane.incidents.models import (
+    AgentCommand,
+    Drill,
+    Failure,
+    RecoveryDecision,
+    TimelineEvent,
+)
 
 
 @admin.register(Failure)
@@ -44,6 +51,22 @@ class AgentCommandAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return [f.name for f in AgentCommand._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+
+@admin.register(Drill)
+class DrillAdmin(admin.ModelAdmin):
+    """Sent through the API or the job page (``incidents.drills``), never from here."""
+
+    list_display = ("created_at", "job", "node", "kind", "device", "requested_by", "acked_at", "ok")
+    list_filter = ("kind", "ok")
+    list_select_related = ("job", "node__job")
+    search_fields = ("job__name", "node__name", "requested_by")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in Drill._meta.fields]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

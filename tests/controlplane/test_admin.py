@@ -17,6 +17,7 @@ from controlplane.incidents import decisions, tasks
 from controlplane.incidents.models import (
     AgentCommand,
     DecisionStatus,
+    Drill,
     FailureSource,
     RecoveryDecision,
 )
@@ -37,6 +38,7 @@ PAGES = [
     "incidents/failure",
     "incidents/recoverydecision",
     "incidents/agentcommand",
+    "incidents/drill",
     "incidents/timelineevent",
 ]
 
@@ -56,6 +58,9 @@ def jobs_with_decisions(count: int) -> None:
         )
         # planned by the Celery task, run in this process
         assert tasks.plan_recovery.apply((decision.pk,)).get() == DecisionStatus.PROPOSED
+        node = job.nodes.first()
+        assert node is not None
+        Drill.objects.create(job=job, node=node, kind="kill", device=0, requested_by="user:olga")
         if i % 2:  # half of them approved: their plan is being sent to the agents
             operator = User.objects.get_or_create(username="olga")[0]
             decisions.approve(decision.pk, user=operator)
