@@ -119,6 +119,9 @@ class Device(models.Model):
         return f"{self.job.name}#{self.index}"
 
 
+TOKEN_PREFIX = "pst_"  # an agent token's first characters (``AgentToken.issue``)
+
+
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -150,8 +153,10 @@ class AgentToken(models.Model):
     @classmethod
     def issue(cls, job: Job, node: Node | None = None) -> tuple[AgentToken, str]:
         """A new token for ``job`` (or one of its nodes): the row, and the token itself, shown
-        once and never stored."""
-        token = secrets.token_urlsafe(32)
+        once and never stored. ``TOKEN_PREFIX`` first: a bare URL-safe token starts with ``-``
+        one time in 64, and ``--token -x...`` is then an option, not a value, to every command
+        line (the agent's refused to start); the prefix also makes a leaked token recognisable."""
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         return cls.objects.create(job=job, node=node, digest=token_digest(token)), token
 
     @classmethod

@@ -22,6 +22,7 @@ from controlplane.incidents.models import DecisionStatus, FailureSource, Recover
 from controlplane.jobs.models import AgentToken, Job
 from controlplane.jobs.services import create_job
 from controlplane.recovery import policies
+from worker_agent import agent
 
 pytestmark = pytest.mark.django_db
 
@@ -231,6 +232,18 @@ def test_only_admins_issue_agent_tokens(role: str, code: int) -> None:
         token = answer.json()["agent_token"]
         assert AgentToken.find(token).node.name == "node-0"  # type: ignore[union-attr]
         assert token not in str(AgentToken.objects.values_list())  # stored as a digest
+
+
+def test_every_issued_token_passes_as_the_agents_token_argument() -> None:
+    # a bare URL-safe token starts with "-" one time in 64: "--token -x..." is then an option to
+    # argparse, and the agent refused to start (all of a job's agents at once, they share it)
+    job = proposed().job
+    tokens = [AgentToken.issue(job)[1] for _ in range(400)]  # P(none with "-") ≈ 0.2 % unfixed
+    for token in tokens:
+        settings = agent.settings_from(["--job", "j", "--node", "n", "--token", token,
+                                        "--devices", "0", "--", "trainer"])  # fmt: skip
+        assert settings.token == token
+    assert len(set(tokens)) == len(tokens)
 
 
 def test_a_token_for_an_unknown_node_is_refused_naming_the_field(capsys: Any) -> None:
