@@ -195,6 +195,11 @@ def unfinished(node_id: int) -> list[Unfinished]:
     ]
 
 
+def ack_error(ack: protocol.Ack) -> str:
+    """An acknowledgement's refusal as stored and shown: ``[code] message``, or ``""``."""
+    return "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
+
+
 def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
     """Record an agent's acknowledgement; None when its node was sent no such command. A
     refusal fails the decision with the agent's reason; an acknowledgement sent twice counts
@@ -213,7 +218,7 @@ def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
         )
         if command is None or command.acked_at is not None:
             return command
-        error = "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
+        error = ack_error(ack)
         command.acked_at, command.ok, command.error = timezone.now(), ack.ok, error
         command.save(update_fields=["acked_at", "ok", "error"])
         decision, job = command.decision, command.decision.job

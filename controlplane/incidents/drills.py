@@ -20,6 +20,7 @@ from django.utils import timezone
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from controlplane.incidents.applying import ack_error
 from controlplane.incidents.models import Drill, EventKind
 from controlplane.incidents.transitions import record
 from controlplane.jobs import liveness
@@ -64,8 +65,8 @@ def inject(
     row = Node.objects.filter(job=job, name=node).first()
     if row is None:
         raise DrillRefused("unknown_node", f"job {job.name} has no node {node!r}", field="node")
-    if device is not None and not Device.objects.filter(node=row, index=device).exists():
-        owned = sorted(Device.objects.filter(node=row).values_list("index", flat=True))
+    owned = sorted(Device.objects.filter(node=row).values_list("index", flat=True))
+    if device is not None and device not in owned:
         raise DrillRefused(
             "wrong_devices", f"device {device} is not on {node} (it has {owned})", field="device"
         )
@@ -91,8 +92,8 @@ def inject(
     except (RedisError, OSError) as exc:
         Drill.objects.filter(pk=drill.pk).update(ok=False, error=f"not sent: {exc}")
         raise DrillRefused("not_sent", f"Redis cannot be reached: {exc}", status=503) from None
-    Drill.objects.filter(pk=drill.pk).update(sent_at=timezone.now())
-    drill.refresh_from_db()
+    drill.sent_at = timezone.now()
+    drill.save(update_fields=["sent_at"])
     log.info("drill.sent", drill=str(drill.pk), job=job.pk, node=node, kind=kind, device=device)
     return drill
 
@@ -114,7 +115,7 @@ def acked(node_id: int, ack: protocol.Ack) -> Drill | None:
         )
         if drill is None or drill.acked_at is not None:
             return drill
-        error = "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
+        error = ack_error(ack)
         drill.acked_at, drill.ok, drill.error = timezone.now(), ack.ok, error
         drill.save(update_fields=["acked_at", "ok", "error"])
         record(drill.job, EventKind.DRILL_ACKED, actor=f"agent:{drill.node.name}",
