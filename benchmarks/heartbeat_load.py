@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--interval must be within 0.1..10 seconds")
     os.environ["PITSTOP_HEARTBEAT_INTERVAL_S"] = str(args.interval)  # the server's and ours
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
+    # ours too: the server's keys are read here, under the prefix its database number gives
+    redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/12")
     rows = []
     for n in counts:
         print(f"{n} connections: ramp {ramp_s(n):g} s, window {args.seconds:g} s …", flush=True)

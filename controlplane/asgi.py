@@ -19,7 +19,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
+from controlplane.streaming import transport  # noqa: E402
 from controlplane.streaming.routing import agent_urlpatterns, browser_urlpatterns  # noqa: E402
+
+# Daphne closes a websocket it fails (a message over its size limit) with a code, not a reset.
+transport.close_failed_connections()
 
 browsers = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(browser_urlpatterns)))
 application = ProtocolTypeRouter(

@@ -1,4 +1,6 @@
-"""Celery application of the control plane: broker and result backend on REDIS_URL."""
+"""Celery application of the control plane: broker and result backend on REDIS_URL, every key
+under the deployment's prefix (``CELERY_*_TRANSPORT_OPTIONS`` in the settings). It has no
+periodic task: the failure detector (``manage.py detect_failures``) does the periodic work."""
 
 import os
 from typing import Any

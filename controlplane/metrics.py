@@ -8,6 +8,7 @@ database.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,8 @@ from controlplane.incidents.models import (
     TimelineEvent,
 )
 from controlplane.jobs import liveness
+from controlplane.jobs.detector import STALL_REASONS, STALLS_KEY
+from controlplane.jobs.models import LIVE_JOB, Node, NodeStatus
 
 # Planning and recovery times are taken over the most recent ones, so a scrape stays cheap.
 PLANNING_WINDOW = 1000
@@ -50,6 +53,7 @@ class ControlPlaneCollector(Collector):
             jobs = client.smembers(liveness.JOBS_KEY)
             connected = sum(int(client.zcard(liveness.seen_key(int(job)))) for job in jobs)
             buckets, lag_sum = liveness.lag_histogram(client)
+            stalls = client.hgetall(STALLS_KEY)
         finally:
             client.close()
         yield CounterMetricFamily(
@@ -64,6 +68,14 @@ class ControlPlaneCollector(Collector):
         yield GaugeMetricFamily(
             "pitstop_connected_nodes", "nodes whose agent is connected and watched", value=connected
         )
+        held = CounterMetricFamily(
+            "pitstop_detector_stalls",
+            "detector passes held off because its own view was behind, by reason",
+            labels=["reason"],
+        )
+        for reason in STALL_REASONS:
+            held.add_metric([reason], int(stalls.get(reason, 0)))
+        yield held
 
     def _database(self) -> Iterator[Any]:
         failures = CounterMetricFamily(
@@ -99,6 +111,21 @@ class ControlPlaneCollector(Collector):
 
         yield self._recoveries()
 
+        nodes = GaugeMetricFamily(
+            "pitstop_nodes",
+            "nodes of live jobs by lifecycle status (expected: not yet heard)",
+            labels=["status"],
+        )
+        by_status = dict(
+            Node.objects.filter(job__status__in=LIVE_JOB)
+            .values_list("status")
+            .annotate(n=Count("pk"))
+            .order_by()
+        )
+        for status in NodeStatus.values:
+            nodes.add_metric([status], by_status.get(status, 0))
+        yield nodes
+
         decisions = GaugeMetricFamily(
             "pitstop_decisions", "recovery decisions by status", labels=["status"]
         )
@@ -132,6 +159,19 @@ class ControlPlaneCollector(Collector):
 
 
 def metrics(request: HttpRequest) -> HttpResponse:
+    """The scrape; where ``PITSTOP_METRICS_TOKEN`` is set, only with ``Authorization: Bearer``
+    and that token (401 otherwise)."""
+    expected = settings.PITSTOP_METRICS_TOKEN
+    if expected:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+            refused = HttpResponse(
+                "metrics need Authorization: Bearer <PITSTOP_METRICS_TOKEN>\n",
+                status=401,
+                content_type="text/plain",
+            )
+            refused["WWW-Authenticate"] = 'Bearer realm="metrics"'
+            return refused
     registry = CollectorRegistry()
     registry.register(ControlPlaneCollector())
     return HttpResponse(generate_latest(registry), content_type="text/plain; version=0.0.4")

@@ -6,11 +6,14 @@ them (`controlplane.defaults`), before Django reads these settings.
 """
 
 import importlib.util
+import re
 from pathlib import Path
 
 import environ
+import redis.connection
+from django.core.exceptions import ImproperlyConfigured
 
-from controlplane import defaults, structured_logging
+from controlplane import defaults, https, structured_logging
 
 env = environ.Env()
 
@@ -25,6 +28,20 @@ structured_logging.configure_from_environment()
 # Empty unless configured or provided: Django then refuses to sign anything, naming the setting.
 SECRET_KEY: str = env.str("SECRET_KEY", default="")
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+
+# Behind a TLS-terminating proxy (docs/operations.md, "TLS"): the header and value it sets on the
+# requests it received over https, "X-Forwarded-Proto: https". Those requests then count as https
+# (CSRF's origin check, HSTS), and the session and CSRF cookies travel over https only.
+_PROXY_SSL_HEADER = env.str("SECURE_PROXY_SSL_HEADER", default="")
+SECURE_PROXY_SSL_HEADER = https.proxy_ssl_header(_PROXY_SSL_HEADER) if _PROXY_SSL_HEADER else None
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_PROXY_SSL_HEADER is not None
+# Origins browsers POST from where they differ from the host the servers see (a proxy that
+# rewrites Host or drops its port): "https://pitstop.example,https://*.example.com:8443".
+CSRF_TRUSTED_ORIGINS = https.trusted_origins(env.list("CSRF_TRUSTED_ORIGINS", default=[]))
+# HSTS on every response to an https request: browsers then use nothing else for this long.
+SECURE_HSTS_SECONDS = https.seconds(
+    env.str("SECURE_HSTS_SECONDS", default="31536000"), variable="SECURE_HSTS_SECONDS"
+)
 
 DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'pitstop.sqlite3'}")
@@ -48,6 +65,27 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 REDIS_NOT_PROVIDED = "redis://embedded-redis-not-started.invalid:6379/0"
 REDIS_URL: str = env.str("REDIS_URL", default="") or REDIS_NOT_PROVIDED
 
+
+def redis_prefix(namespace: str, redis_url: str) -> str:
+    """What every Redis key and pub/sub channel of the deployment begins with, so that several
+    deployments can share one Redis server: ``NAMESPACE:DB``. Keys are apart on different
+    database numbers already, pub/sub channels are not: the number is part of the prefix, and
+    deployments on one database tell themselves apart by their namespace (docs/operations.md,
+    "Several deployments on one Redis server")."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", namespace):
+        raise ImproperlyConfigured(
+            f"PITSTOP_NAMESPACE={namespace!r}: 1 to 64 letters, digits, '_' or '-'"
+        )
+    try:
+        db = int(redis.connection.parse_url(redis_url).get("db", 0))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"REDIS_URL: {exc}") from exc
+    return f"{namespace}:{db}"
+
+
+PITSTOP_NAMESPACE: str = env.str("PITSTOP_NAMESPACE", default="pitstop")
+PITSTOP_REDIS_PREFIX = redis_prefix(PITSTOP_NAMESPACE, REDIS_URL)
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -60,6 +98,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "controlplane.jobs",
     "controlplane.incidents",
     "controlplane.simulations",
@@ -71,6 +110,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "controlplane.request_context.request_context",
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.https.content_security_policy",
     # static files (the dashboard's CSS and JS, plotly.js) from the ASGI app: daphne serves none
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -130,21 +170,22 @@ LOGIN_REDIRECT_URL = "webui:index"
 LOGOUT_REDIRECT_URL = "login"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-CHANNEL_LAYERS = {
-    "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        # redis-py 8 times a read out after 5 s, the length of the layer's blocking read: without
-        # a longer timeout the layer's receive loop dies, and a socket with it, every ~5 s
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]},
-    }
-}
+# No CHANNEL_LAYERS: the consumers use none. Commands reach an agent's socket through Redis
+# pub/sub (controlplane/streaming/hub.py); the dashboard's socket only sends, from its own loop.
 
 # Agents beat every interval; a node silent for MISSED_BEATS intervals has failed.
 PITSTOP_HEARTBEAT_INTERVAL_S: float = env.float("PITSTOP_HEARTBEAT_INTERVAL_S", default=1.0)
 PITSTOP_MISSED_BEATS: int = env.int("PITSTOP_MISSED_BEATS", default=3)
+# A node expected in a job and not joined (no hello) this many seconds after it was expected
+# has failed as ``never_joined``; a job none of whose nodes was heard for as long is ``stale``.
+PITSTOP_JOIN_DEADLINE_S: float = env.float("PITSTOP_JOIN_DEADLINE_S", default=30.0)
 # A decision whose agents have not all trained again this many seconds after the plan was sent
 # fails, naming them.
 PITSTOP_APPLY_TIMEOUT_S: float = env.float("PITSTOP_APPLY_TIMEOUT_S", default=120.0)
+# An agent's socket that has not said hello this many seconds after it opened is closed; a
+# server process holds at most this many such sockets at once (more are closed at once).
+PITSTOP_HELLO_TIMEOUT_S: float = env.float("PITSTOP_HELLO_TIMEOUT_S", default=5.0)
+PITSTOP_MAX_WAITING_SOCKETS: int = env.int("PITSTOP_MAX_WAITING_SOCKETS", default=256)
 
 # Read by controlplane.celery through the CELERY_ namespace.
 CELERY_BROKER_URL = REDIS_URL
@@ -154,6 +195,10 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Queues, bindings and results under the deployment's prefix: on a database shared with another
+# deployment, neither's workers take the other's tasks.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{PITSTOP_REDIS_PREFIX}:celery:"}
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"global_keyprefix": f"{PITSTOP_REDIS_PREFIX}:celery:"}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False  # keep the structured handler
 
 REST_FRAMEWORK = {
@@ -173,4 +218,30 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Jobs, failures, recovery decisions and their timeline.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "controlplane.api.schema.add_error_responses",
+    ],
+    # Swagger UI and Redoc from the pinned drf-spectacular-sidecar package, never a CDN
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    # bodies are documented as JSON, what scripts send (the browsable API's forms still work)
+    "PARSER_WHITELIST": ["rest_framework.parsers.JSONParser"],
+}
+
+# What is public (docs/operations.md): a bearer token that /metrics requires (empty: none), and
+# whether the OpenAPI schema and its docs need a login with a role (default: public).
+PITSTOP_METRICS_TOKEN: str = env.str("PITSTOP_METRICS_TOKEN", default="")
+PITSTOP_SCHEMA_LOGIN: bool = env.bool("PITSTOP_SCHEMA_LOGIN", default=False)
+# Login throttle: at most this many wrong passwords per user and address (four times as many per
+# address) in a window, counted in Redis so that every server process shares the count.
+PITSTOP_LOGIN_ATTEMPTS: int = env.int("PITSTOP_LOGIN_ATTEMPTS", default=5)
+PITSTOP_LOGIN_WINDOW_S: int = env.int("PITSTOP_LOGIN_WINDOW_S", default=300)
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": f"{PITSTOP_REDIS_PREFIX}:cache",
+    }
 }

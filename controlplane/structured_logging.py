@@ -10,8 +10,12 @@ import structlog
 
 LOG_FORMATS = ("json", "console")
 
-# Fields whose values never reach a log line, whoever logs them: tokens, keys, passwords.
-SECRET_FIELD = re.compile(r"token|secret|password|passwd|authorization|api_key|cookie", re.I)
+# Fields whose values never reach a log line, whoever logs them: tokens, keys, passwords,
+# credentials. A name ending in "key" is one (key, api_key, apikey, private_key, ssh-key);
+# "keys" or "key_id" is not.
+SECRET_FIELD = re.compile(
+    r"token|secret|passw(or)?d|authorization|cookie|credential|key$", re.IGNORECASE
+)
 REDACTED = "[redacted]"
 
 

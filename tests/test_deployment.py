@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 
 from tests.processes import REPO_ROOT, clean_environment
 
-PITSTOP_SERVICES = ("migrate", "web", "worker", "detector", "beat")
+PITSTOP_SERVICES = ("migrate", "web", "worker", "detector")
 AGENT_SERVICES = ("agent-0", "agent-1")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 FIRST_PARTY = ("worker_agent", "controlplane")
@@ -40,7 +40,7 @@ def services() -> dict[str, dict[str, Any]]:
 
 
 def test_stack_has_every_service(services: dict[str, dict[str, Any]]) -> None:
-    expected = {"postgres", "redis", "migrate", "web", "worker", "detector", "beat"}
+    expected = {"postgres", "redis", "migrate", "web", "worker", "detector"}
     assert expected | {*AGENT_SERVICES, "simulated"} <= set(services)
 
 
@@ -52,13 +52,20 @@ def test_web_serves_the_asgi_application(services: dict[str, dict[str, Any]]) ->
     assert callable(getattr(module, attribute))
 
 
-@pytest.mark.parametrize(("service", "subcommand"), [("worker", "worker"), ("beat", "beat")])
-def test_celery_services_run_the_project_app(
-    services: dict[str, dict[str, Any]], service: str, subcommand: str
-) -> None:
-    command = services[service]["command"]
-    assert command[:4] == ["celery", "-A", "controlplane", subcommand]
+def test_the_celery_worker_runs_the_project_app(services: dict[str, dict[str, Any]]) -> None:
+    command = services["worker"]["command"]
+    assert command[:4] == ["celery", "-A", "controlplane", "worker"]
     assert find_app(command[2]).main == "controlplane"
+
+
+def test_celery_beat_runs_only_where_there_is_a_periodic_task(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """The detector does the periodic work (deadlines, re-queues, re-sends); a ``beat`` with
+    an empty schedule would run and do nothing."""
+    app = find_app("controlplane")
+    beats = [name for name, s in services.items() if "beat" in s.get("command", [])[:4]]
+    assert bool(beats) == bool(app.conf.beat_schedule), (beats, app.conf.beat_schedule)
 
 
 def test_migrate_runs_before_web(services: dict[str, dict[str, Any]]) -> None:

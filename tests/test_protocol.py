@@ -113,3 +113,97 @@ def test_the_protocol_imports_without_django_or_the_control_plane() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=DOC.parents[1]
     )
     assert out.stdout.strip() == "[]"
+
+
+BEAT: dict[str, Any] = {
+    "type": "heartbeat",
+    "seq": 1,
+    "at": 1795000000.0,
+    "step": 1,
+    "devices": [{"device": 0, "state": "training"}],
+}
+FAULT: dict[str, Any] = {"type": "fault", "seq": 1, "at": 1.0, "kind": "crash", "devices": [0]}
+ACK: dict[str, Any] = {"type": "ack", "command": "c", "ok": True, "at": 1.0}
+
+
+def _set(frame: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """``frame`` with the field at ``path`` (``devices.0.device``) set to ``value``."""
+    out: dict[str, Any] = json.loads(json.dumps(frame))
+    *parents, last = path.split(".")
+    inner: Any = out
+    for part in parents:
+        inner = inner[int(part)] if part.isdigit() else inner[part]
+    inner[int(last) if last.isdigit() else last] = value
+    return out
+
+
+# (frame, field, lowest allowed, highest allowed): every number an agent sends has a range
+BOUNDED: list[tuple[dict[str, Any], str, float, float]] = [
+    (BEAT, "seq", 0, protocol.MAX_SEQ),
+    (BEAT, "at", 0, protocol.MAX_TIMESTAMP_S),
+    (BEAT, "step", 0, protocol.MAX_STEP),
+    (BEAT, "loss", -protocol.MAX_LOSS, protocol.MAX_LOSS),
+    (BEAT, "samples_per_s", 0, protocol.MAX_RATE),
+    (BEAT, "step_time_s", 0, protocol.MAX_DURATION_S),
+    (BEAT, "devices.0.device", 0, protocol.MAX_DEVICE_ID),
+    (BEAT, "devices.0.memory_bytes", 0, protocol.MAX_MEMORY_BYTES),
+    (BEAT, "devices.0.utilization", 0, 1),
+    (FAULT, "seq", 0, protocol.MAX_SEQ),
+    (FAULT, "at", 0, protocol.MAX_TIMESTAMP_S),
+    (FAULT, "step", 0, protocol.MAX_STEP),
+    (FAULT, "devices.0", 0, protocol.MAX_DEVICE_ID),
+    (ACK, "at", 0, protocol.MAX_TIMESTAMP_S),
+    (HELLO, "devices.0", 0, protocol.MAX_DEVICE_ID),
+    (HELLO, "version", 0, protocol.MAX_SEQ),
+]
+
+
+def _beyond(low: float, high: float, integral: bool) -> st.SearchStrategy[float]:
+    if integral:
+        over = st.integers(min_value=int(high) + 1, max_value=10**40)
+        return over | st.integers(max_value=int(low) - 1, min_value=-(10**40))
+    above = st.floats(min_value=high, exclude_min=True, allow_infinity=False)
+    below = st.floats(max_value=low, exclude_max=True, allow_infinity=False)
+    return above | below
+
+
+@pytest.mark.parametrize(("frame", "field", "low", "high"), BOUNDED)
+@given(data=st.data())
+def test_every_number_out_of_its_range_is_refused_naming_its_field(
+    frame: dict[str, Any], field: str, low: float, high: float, data: st.DataObject
+) -> None:
+    integral = isinstance(high, int)
+    inside = data.draw(
+        st.integers(int(low), int(high)) if integral else st.floats(low, high), label="inside"
+    )
+    parsed = protocol.parse_agent_frame(json.dumps(_set(frame, field, inside)))
+    assert protocol.parse_agent_frame(protocol.encode(parsed)) == parsed
+    outside = data.draw(_beyond(low, high, integral), label="outside")
+    error = refused(json.dumps(_set(frame, field, outside)))
+    assert (error.code, error.field) == (ErrorCode.INVALID, field)
+
+
+@pytest.mark.parametrize(
+    ("frame", "field"),
+    [(HELLO, "node"), (HELLO, "job"), (FAULT, "message"), (ACK, "command"), (HELLO, "agent")],
+)
+@given(control=st.characters(max_codepoint=31).filter(lambda c: c not in "\t\n\r"))
+def test_text_with_a_control_character_is_refused(
+    frame: dict[str, Any], field: str, control: str
+) -> None:
+    """A database refuses NUL in text: a node name or message carrying one would fail the
+    write of a failure; refused where it enters instead."""
+    error = refused(json.dumps(_set(frame, field, f"a{control}b")))
+    assert (error.code, error.field) == (ErrorCode.INVALID, field)
+
+
+@given(key=st.text(max_size=300), message=st.text(max_size=5000))
+def test_an_error_frame_quoting_any_input_is_itself_valid(key: str, message: str) -> None:
+    """The server's error frame names the field at fault, which may be the agent's own key."""
+    frame = ProtocolError(ErrorCode.INVALID, message, field=key).frame(seq=3)
+    assert protocol.parse_server_frame(protocol.encode(frame)) == frame
+
+
+def test_a_heartbeat_reporting_a_device_twice_is_refused() -> None:
+    twice = _set(BEAT, "devices", [{"device": 0, "state": "idle"}, {"device": 0, "state": "idle"}])
+    assert (refused(json.dumps(twice)).field) == "devices"

@@ -24,7 +24,7 @@ from django.db.models import (
 from django.db.models.fields.json import KT
 
 from controlplane.incidents.models import OPEN, DecisionStatus, RecoveryDecision
-from controlplane.jobs.models import Device, DeviceState, Job, Node, heavy
+from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
 
 # One letter a device in the grid's state strings (the browser's job.js reads the same).
 STATE_LETTER: dict[str, str] = {
@@ -34,6 +34,8 @@ STATE_LETTER: dict[str, str] = {
     DeviceState.SPARE: "p",
     DeviceState.RECOVERING: "r",
 }
+# A device whose node is expected and has not said hello yet: not yet heard, whatever its row.
+UNHEARD, UNHEARD_LETTER = "unheard", "u"
 # Statuses in which a decision's plan is, or is becoming, the one the job runs.
 CHOSEN = (
     DecisionStatus.APPROVED,
@@ -85,7 +87,8 @@ def jobs_overview() -> QuerySet[Job]:
 
 def grid(job: Job) -> dict[str, Any]:
     """The device grid's layout and states: nodes as (name, first device, device count, status)
-    in index order, and every device's state as one letter (``STATE_LETTER``)."""
+    in index order, and every device's state as one letter (``STATE_LETTER``; ``UNHEARD_LETTER``
+    for a device not failed on a node still expected)."""
     nodes = list(
         Node.objects.filter(job=job)
         .annotate(count=Count("devices"))
@@ -93,19 +96,25 @@ def grid(job: Job) -> dict[str, Any]:
         .values_list("name", "count", "status")
     )
     firsts = itertools.accumulate((count for _, count, _ in nodes), initial=0)
-    states = Device.objects.filter(job=job).order_by("index").values_list("state", flat=True)
+    states = Device.objects.filter(job=job).order_by("index").values_list("state", "node__status")
     return {
         "nodes": [
             [name, first, count, status]
             for (name, count, status), first in zip(nodes, firsts, strict=False)
         ],
-        "states": "".join(STATE_LETTER.get(s, "h") for s in states),
+        "states": "".join(
+            UNHEARD_LETTER
+            if node == NodeStatus.EXPECTED and state != DeviceState.FAILED
+            else STATE_LETTER.get(state, "h")
+            for state, node in states
+        ),
     }
 
 
 def device_counts(states: str) -> dict[str, int]:
     letters = {letter: state for state, letter in STATE_LETTER.items()}
-    counts = dict.fromkeys(DeviceState.values, 0)
+    letters[UNHEARD_LETTER] = UNHEARD
+    counts = dict.fromkeys([*DeviceState.values, UNHEARD], 0)
     for letter in states:
         counts[letters[letter]] += 1
     return counts

@@ -16,6 +16,7 @@ urlpatterns = [
     path("recoveries/<int:pk>/proposal/", views.recovery_proposal, name="proposal"),
     path("recoveries/<int:pk>/approve/", views.recovery_approve, name="approve"),
     path("recoveries/<int:pk>/override/", views.recovery_override, name="override"),
+    path("recoveries/<int:pk>/dismiss/", views.recovery_dismiss, name="dismiss"),
     path("simulations/", views.simulations, name="simulations"),
     path("simulations/<int:pk>/", views.simulation_detail, name="simulation"),
 ]

@@ -1,5 +1,5 @@
-"""Dashboard pages: jobs, a job live (and its drills), a recovery (approve, override), what-if,
-simulations.
+"""Dashboard pages: jobs, a job live (and its drills), a recovery (approve, override,
+dismiss), what-if, simulations.
 
 Every page needs a role (``controlplane.api.roles``): viewers read, operators also approve,
 override, run drills and start simulations. Actions call the same services as the REST API;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -23,6 +24,7 @@ from django.views.decorators.http import require_POST
 from redis.exceptions import RedisError
 
 from controlplane.api.roles import Role, role_of
+from controlplane.api.serializers import MAX_WHAT_IF_DEVICES
 from controlplane.api.views import phases
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
@@ -256,6 +258,8 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
         "phases": shown,
         "plan": data.plan_rows(decision.plan),
         "open": decision.status == DecisionStatus.PROPOSED,
+        # a false alarm is dismissed until a plan is chosen (``decisions.dismiss``)
+        "dismissable": decision.status in (DecisionStatus.PLANNING, DecisionStatus.PROPOSED),
         # a plan of thousands of pipelines is megabytes: the editor loads it only when asked
         "plan_text": "" if too_big else plan_text,
         "plan_url": reverse("webui:proposal", args=[decision.pk]) if too_big else "",
@@ -282,6 +286,24 @@ def recovery_approve(request: HttpRequest, pk: int) -> HttpResponse:
     decision = _recovery(pk)
     try:
         decisions.approve(decision.pk, user=request.user, reason=request.POST.get("reason", ""))  # type: ignore[arg-type]
+    except decisions.IllegalTransition as exc:
+        context = {**recovery_context(_recovery(pk)), "action_error": str(exc)}
+        return page(request, "webui/recovery.html", context, status=409)
+    return redirect("webui:recovery", pk=pk)
+
+
+@require_POST
+@needs(Role.OPERATOR)
+def recovery_dismiss(request: HttpRequest, pk: int) -> HttpResponse:
+    """A false alarm: the reason is required, its error shown beside the field."""
+    decision = _recovery(pk)
+    reason = request.POST.get("reason", "")
+    try:
+        decisions.dismiss(decision.pk, user=request.user, reason=reason)  # type: ignore[arg-type]
+    except rows.RecoveryError as exc:
+        message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        context = {**recovery_context(_recovery(pk)), "dismiss_error": message}
+        return page(request, "webui/recovery.html", context, status=400)
     except decisions.IllegalTransition as exc:
         context = {**recovery_context(_recovery(pk)), "action_error": str(exc)}
         return page(request, "webui/recovery.html", context, status=409)
@@ -334,15 +356,28 @@ def recovery_override(request: HttpRequest, pk: int) -> HttpResponse:
 # --- what-if -------------------------------------------------------------------------------
 
 
-def _devices(text: str) -> list[int]:
-    """``"4, 5, 8-11"`` as device ids; ``ValueError`` names what it could not read."""
+def _devices(text: str, limit: int = MAX_WHAT_IF_DEVICES) -> list[int]:
+    """``"4, 5, 8-11"`` as device ids, at most ``limit`` of them; ``ValueError`` names what it
+    could not read."""
     found: list[int] = []
     for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"{part!r} is not a device id or a range like 4-7")
-        found.extend(range(int(first), int(last or first) + 1))
+        if _whole(first) is None or (last and _whole(last) is None):
+            raise ValueError(f"{part[:40]!r} is not a device id or a range like 4-7")
+        start, end = int(first), int(last or first)
+        if end - start + 1 > limit - len(found):
+            raise ValueError(f"at most {limit} devices at once; {part!r} is more")
+        found.extend(range(start, end + 1))
     return found
+
+
+def _whole(text: str, most: int = 2**31 - 1) -> int | None:
+    """A whole number written in ASCII digits (``isdigit`` also takes "²"), at most ``most``."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(most)):
+        return None
+    value = int(text)
+    return value if value <= most else None
 
 
 @needs(Role.VIEWER)
@@ -398,12 +433,13 @@ def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dic
                 "capacity": _number(cluster.get("device_memory_bytes")),
                 "global_batch": _number(training.get("global_batch")),
             }, None
-        node = request.POST.get("node", "")
-        if node.isdigit():
+        node_text = request.POST.get("node", "").strip()
+        node = _whole(node_text)
+        if node_text and node is None:
+            return None, {"field": "node", "message": f"{node_text[:40]!r} is not a node index"}
+        if node is not None:
             devices = list(
-                Device.objects.filter(job=job, node__index=int(node)).values_list(
-                    "index", flat=True
-                )
+                Device.objects.filter(job=job, node__index=node).values_list("index", flat=True)
             )
         else:
             try:
@@ -464,7 +500,10 @@ def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | N
         try:
             numbers[name] = float(given.get(name) or default)
         except ValueError:
-            return None, {"field": name, "message": f"expected a number, got {given.get(name)!r}"}
+            numbers[name] = math.nan
+        if not math.isfinite(numbers[name]) or abs(numbers[name]) > 2**32:
+            message = f"expected a number up to {2**32}, got {given.get(name, '')[:40]!r}"
+            return None, {"field": name, "message": message}
     trace: dict[str, Any] = {
         "failure_rate_per_device_hour": numbers["rate"],
         "repair_hours": numbers["repair_hours"],
@@ -478,9 +517,10 @@ def _start_sweep(request: HttpRequest) -> tuple[Sweep | None, dict[str, str] | N
             return None, {"field": "trace", "message": "expected a JSON object of trace fields"}
         trace.update(extra)
     if given.get("spares", "").strip():
-        if not given["spares"].strip().isdigit():
+        spares = _whole(given["spares"])
+        if spares is None:
             return None, {"field": "spares", "message": "expected a whole number of spares"}
-        scenario["cluster"]["spares"] = int(given["spares"])
+        scenario["cluster"]["spares"] = spares
     experiment: dict[str, Any] = {
         "hours": numbers["hours"],
         "policies": given.getlist("policies"),

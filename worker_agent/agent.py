@@ -12,11 +12,13 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
   time, and each device's state and memory;
 - a ``fault`` the moment one is seen: a rank exited or was killed (``crash``, from the process
   table and the link's end), no step progress for ``hang_factor`` × its median step time and at
-  least ``hang_floor_s`` while its link's pulses are silent, or for three times that
-  (``hang``), a NaN or infinite loss (``nan``), a rank slower than ``straggler_factor`` × the
-  median of the node's other ranks for ``straggler_steps`` steps in a
-  row (``straggler``); a dead or hung rank also sets ``<generation>abort`` in the job's store so
-  the other ranks leave their collectives, and a hung rank is killed;
+  least ``hang_floor_s`` while its link's pulses are silent, or for three times that; before its
+  first step, no step for ``hang_factor`` × the estimator's step time (``--step-time``) and at
+  least ``--first-step-floor`` while silent (``hang``), a NaN or infinite loss (``nan``), a
+  rank slower than ``straggler_factor`` × the median of the node's other ranks for
+  ``straggler_steps`` steps in a row (``straggler``); a dead or hung rank also sets
+  ``<generation>abort`` in the job's store so the other ranks leave their collectives, and a
+  hung rank is killed;
 - every command carried out once per id by the ranks it concerns, acknowledged when they all
   said ``done`` (and again each time it is sent again); refused with an ``invalid`` error when
   its action is unknown, its plan does not hold together, a stage of its plan mixes this
@@ -78,6 +80,10 @@ class Settings:
     seconds: float | None = None
     hang_factor: float = 10.0
     hang_floor_s: float = 30.0
+    # Before a rank's first step: the estimator's step time (``python -m controlplane.recovery
+    # estimate``), if known, and the floor of the first step's limit (None: ``hang_floor_s``).
+    step_time_s: float | None = None
+    first_step_floor_s: float | None = None
     straggler_factor: float = 2.0
     straggler_steps: int = 3
     grace_s: float = 10.0
@@ -511,27 +517,50 @@ class Agent:
         A rank waiting in a collective for a stopped peer stalls at the same moment as the
         peer, but its pulses go on: it is not the one to blame, and once the culprit is found
         (and the generation aborted) it leaves the collective. A rank stuck where the pulse
-        thread still runs (a device that never answers) is caught by the longer limit.
+        thread still runs (a device that never answers) is caught by the longer limit. Before a
+        rank's first step only the first: see ``_hang_limit``.
         """
-        settings = self.settings
         while True:
             await asyncio.sleep(0.05)
             now = time.monotonic()
             for rank in list(self.ranks.values()):
-                if not rank.alive or rank.state != "training" or rank.step is None:
+                limit = self._hang_limit(rank)
+                if limit is None:
                     continue
-                expected = _median(list(rank.recent)) or 0.0
-                limit = max(settings.hang_floor_s, settings.hang_factor * expected)
                 stalled = now - rank.progress_at
                 silent = now - rank.heard_at > SILENT_PULSES * link.PULSE_S
-                if stalled > limit and (silent or stalled > STALL_FACTOR * limit):
+                # before the first step, waiting long is no fault of the one that waits (its
+                # peers may still be starting): only silence blames a rank then
+                stuck = rank.step is not None and stalled > STALL_FACTOR * limit
+                if stalled > limit and (silent or stuck):
+                    what = "no first step" if rank.step is None else "no step"
+                    after = "" if rank.step is None else f" after step {rank.step}"
                     self._lost(
                         rank,
                         "hang",
-                        f"rank {rank.pid} on device {rank.device}: no step "
-                        f"for {stalled:.1f} s after step {rank.step} (limit {limit:.1f} s)",
+                        f"rank {rank.pid} on device {rank.device}: {what} "
+                        f"for {stalled:.1f} s{after} (limit {limit:.1f} s)",
                     )
                     _signal_group(rank.pid, signal.SIGKILL)
+
+    def _hang_limit(self, rank: Rank) -> float | None:
+        """Seconds without a step after which ``rank`` may be hung, or None when it is not
+        watched: k × its median step time with a floor; before its first step (while it says it
+        trains or restores), k × the estimator's step time with the first step's floor."""
+        settings = self.settings
+        if not rank.alive:
+            return None
+        if rank.step is None:
+            if rank.state not in ("training", "restoring"):
+                return None  # not started yet, or a standby: nothing is awaited of it
+            floor = settings.first_step_floor_s
+            expected = settings.step_time_s or 0.0
+            floor = settings.hang_floor_s if floor is None else floor
+            return max(floor, settings.hang_factor * expected)
+        if rank.state != "training":
+            return None
+        expected = _median(list(rank.recent)) or 0.0
+        return max(settings.hang_floor_s, settings.hang_factor * expected)
 
     # --- the control plane ---
 
@@ -799,6 +828,17 @@ def parser() -> argparse.ArgumentParser:
         "--hang-floor", type=float, default=30.0, help="... and for at least this many seconds"
     )
     p.add_argument(
+        "--step-time",
+        type=float,
+        help="the estimator's step time (python -m controlplane.recovery estimate): before a "
+        "rank's first step, a hang is no step for --hang-factor times this",
+    )
+    p.add_argument(
+        "--first-step-floor",
+        type=float,
+        help="... and for at least this many seconds (default: --hang-floor)",
+    )
+    p.add_argument(
         "--straggler-factor",
         type=float,
         default=2.0,
@@ -863,6 +903,10 @@ def settings_from(argv: Sequence[str] | None) -> Settings:
         p.error("--serve-store needs --store HOST:PORT (the port to serve on)")
     if args.hang_factor <= 0 or args.hang_floor < 0 or args.straggler_factor <= 1:
         p.error("--hang-factor must be > 0, --hang-floor ≥ 0, --straggler-factor > 1")
+    if (args.step_time is not None and not args.step_time > 0) or (
+        args.first_step_floor is not None and not args.first_step_floor >= 0
+    ):
+        p.error("--step-time must be > 0, --first-step-floor ≥ 0")
     if args.straggler_steps < 1 or args.grace < 0 or args.command_timeout <= 0:
         p.error("--straggler-steps ≥ 1, --grace ≥ 0, --command-timeout > 0")
     return Settings(
@@ -877,6 +921,8 @@ def settings_from(argv: Sequence[str] | None) -> Settings:
         seconds=args.seconds,
         hang_factor=args.hang_factor,
         hang_floor_s=args.hang_floor,
+        step_time_s=args.step_time,
+        first_step_floor_s=args.first_step_floor,
         straggler_factor=args.straggler_factor,
         straggler_steps=args.straggler_steps,
         grace_s=args.grace,

@@ -15,10 +15,12 @@ Django, nothing of the control plane.
 from __future__ import annotations
 
 import math
+import re
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -37,6 +39,19 @@ MAX_DEVICES = 64
 # The most devices an ``apply_plan``'s ``holders`` lists (a job's; the frame's size binds first).
 MAX_HOLDERS = 1 << 16
 
+# Every number a frame carries has a range, so that what one agent sends is stored, summed and
+# shown without overflow and cannot stop another node's failure being recorded.
+# A step: exact as a JSON number in a browser (2^53 - 1), with room to count on in a bigint.
+MAX_STEP = (1 << 53) - 1
+MAX_SEQ = (1 << 63) - 1  # a sequence number: a bigint
+MAX_DEVICE_ID = (1 << 31) - 1  # a device id: the database's integer column
+MAX_TIMESTAMP_S = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last second a date can hold
+MAX_DURATION_S = 1e6  # a step time: eleven days
+MAX_RATE = 1e12  # samples a second
+MAX_LOSS = 1e12  # the magnitude of a loss
+MAX_MEMORY_BYTES = float(1 << 60)  # 1 EiB
+MAX_TEXT = 2000  # characters of a message for people
+
 
 class ErrorCode(StrEnum):
     """Why the server refused a frame; stable, keyed on by agents and tests."""
@@ -46,12 +61,12 @@ class ErrorCode(StrEnum):
     OVERSIZED = "oversized"  # over MAX_FRAME_BYTES
     UNSUPPORTED_VERSION = "unsupported_version"  # hello with a version the server does not speak
     UNAUTHORISED = "unauthorised"  # the token is unknown, revoked, or of another job
-    UNKNOWN_JOB = "unknown_job"
     UNKNOWN_NODE = "unknown_node"  # the job has no such node
     WRONG_DEVICES = "wrong_devices"  # devices that are not the node's
     OUT_OF_ORDER = "out_of_order"  # anything before hello, a second hello, an old sequence number
     UNKNOWN_COMMAND = "unknown_command"  # an ack for a command never sent to this agent
     REPLACED = "replaced"  # another connection took over the same node
+    TIMEOUT = "timeout"  # no hello within the server's deadline
 
 
 class CloseCode(IntEnum):
@@ -60,16 +75,22 @@ class CloseCode(IntEnum):
     UNAUTHORISED = 4001
     PROTOCOL = 4002  # a frame the conversation cannot recover from
     REPLACED = 4003
+    # the heartbeat deadline failed the node while this socket stayed open (a partition): its
+    # agent connects again and says hello as a new member
+    SILENT = 4004
+    # the standard "try again later": the server holds too many sockets that have not said
+    # hello; closed before any frame, so an agent connects again after its backoff
+    BUSY = 1013
 
 
 # Errors after which the server closes the socket, with the code to close it with.
 FATAL: dict[ErrorCode, CloseCode] = {
     ErrorCode.UNSUPPORTED_VERSION: CloseCode.PROTOCOL,
     ErrorCode.UNAUTHORISED: CloseCode.UNAUTHORISED,
-    ErrorCode.UNKNOWN_JOB: CloseCode.UNAUTHORISED,
     ErrorCode.UNKNOWN_NODE: CloseCode.UNAUTHORISED,
     ErrorCode.WRONG_DEVICES: CloseCode.PROTOCOL,
     ErrorCode.REPLACED: CloseCode.REPLACED,
+    ErrorCode.TIMEOUT: CloseCode.PROTOCOL,
 }
 
 
@@ -81,16 +102,42 @@ class ProtocolError(Exception):
         self.code, self.message, self.field = code, message, field
 
     def frame(self, *, seq: int | None = None) -> Error:
-        """The ``error`` frame that tells the agent."""
-        return Error(code=self.code, message=self.message, field=self.field, seq=seq)
+        """The ``error`` frame that tells the agent (a message or field that quotes the refused
+        frame is cut to length and has its control characters escaped)."""
+        field = None if self.field is None else _quotable(self.field, 200)
+        return Error(
+            code=self.code, message=_quotable(self.message, MAX_TEXT), field=field, seq=seq
+        )
 
 
 class _Frame(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-DeviceId = Annotated[int, Field(ge=0)]
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _printable(text: str) -> str:
+    # a database refuses NUL in text, and no name or message needs a control character
+    if _CONTROL.search(text):
+        raise ValueError("must not contain control characters")
+    return text
+
+
+def _quotable(text: str, limit: int) -> str:
+    escaped = _CONTROL.sub(lambda found: ascii(found.group())[1:-1], text)
+    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
+
+
+Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_printable)]
+CommandId = Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_printable)]
+ShortText = Annotated[str, Field(max_length=200), AfterValidator(_printable)]
+Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_printable)]
+Timestamp = Annotated[float, Field(ge=0, le=MAX_TIMESTAMP_S, allow_inf_nan=False)]  # Unix s
+Duration = Annotated[float, Field(ge=0, le=MAX_DURATION_S, allow_inf_nan=False)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Seq = Annotated[int, Field(ge=0, le=MAX_SEQ)]
+DeviceId = Annotated[int, Field(ge=0, le=MAX_DEVICE_ID)]
 Devices = Annotated[list[DeviceId], Field(min_length=1, max_length=MAX_DEVICES)]
 
 
@@ -101,12 +148,12 @@ class Hello(_Frame):
     """The first frame: who the agent is, for which job, and the token that proves it."""
 
     type: Literal["hello"] = "hello"
-    version: int = VERSION
-    job: Annotated[str, Field(min_length=1, max_length=200)]
-    node: Annotated[str, Field(min_length=1, max_length=200)]
-    token: Annotated[str, Field(min_length=1, max_length=200)]
+    version: Annotated[int, Field(ge=0, le=MAX_SEQ)] = VERSION
+    job: Name
+    node: Name
+    token: Name
     devices: Devices
-    agent: str = ""  # the agent's version, for the logs
+    agent: ShortText = ""  # the agent's version, for the logs
 
     @field_validator("devices")
     @classmethod
@@ -127,7 +174,9 @@ class DeviceState(StrEnum):
 class DeviceReport(_Frame):
     device: DeviceId
     state: DeviceState
-    memory_bytes: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    memory_bytes: Annotated[float, Field(ge=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
+        None
+    )
     utilization: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
@@ -135,14 +184,21 @@ class Heartbeat(_Frame):
     """Once a second: the node's training progress and every device's state."""
 
     type: Literal["heartbeat"] = "heartbeat"
-    seq: Annotated[int, Field(ge=0)]
-    at: Seconds  # the agent's clock, Unix seconds
-    step: Annotated[int, Field(ge=0)]
+    seq: Seq
+    at: Timestamp  # the agent's clock
+    step: Step
     # NaN and infinite losses are faults, reported as such; here they are null.
-    loss: float | None = None
-    samples_per_s: Seconds | None = None
-    step_time_s: Seconds | None = None
+    loss: Annotated[float, Field(ge=-MAX_LOSS, le=MAX_LOSS)] | None = None
+    samples_per_s: Annotated[float, Field(ge=0, le=MAX_RATE, allow_inf_nan=False)] | None = None
+    step_time_s: Duration | None = None
     devices: Annotated[list[DeviceReport], Field(min_length=1, max_length=MAX_DEVICES)]
+
+    @field_validator("devices")
+    @classmethod
+    def _distinct(cls, devices: list[DeviceReport]) -> list[DeviceReport]:
+        if len({report.device for report in devices}) != len(devices):
+            raise ValueError("reports on a device twice")
+        return devices
 
     @field_validator("loss")
     @classmethod
@@ -167,21 +223,21 @@ class Fault(_Frame):
     """A fault the agent detected itself, sent at once."""
 
     type: Literal["fault"] = "fault"
-    seq: Annotated[int, Field(ge=0)]
-    at: Seconds  # when the agent saw it
+    seq: Seq
+    at: Timestamp  # when the agent saw it
     kind: FaultKind
     devices: Devices
-    step: Annotated[int, Field(ge=0)] | None = None
-    message: Annotated[str, Field(max_length=2000)] = ""
+    step: Step | None = None
+    message: Text = ""
 
 
 class Ack(_Frame):
     """The outcome of one command, by its id."""
 
     type: Literal["ack"] = "ack"
-    command: Annotated[str, Field(min_length=1, max_length=100)]
+    command: CommandId
     ok: bool
-    at: Seconds
+    at: Timestamp
     error: Error | None = None
 
 
@@ -189,7 +245,7 @@ class Goodbye(_Frame):
     """The agent leaves on purpose: no failure is raised for its devices."""
 
     type: Literal["goodbye"] = "goodbye"
-    reason: Annotated[str, Field(max_length=500)] = ""
+    reason: Annotated[str, Field(max_length=500), AfterValidator(_printable)] = ""
 
 
 # --- server to agent ---
@@ -200,10 +256,10 @@ class Welcome(_Frame):
     version: int = VERSION
     job: str
     node: str
-    heartbeat_interval_s: Annotated[float, Field(gt=0)]
+    heartbeat_interval_s: Annotated[float, Field(gt=0, le=3600)]
     # the server declares a node failed after this many intervals without a heartbeat
-    missed_beats: Annotated[int, Field(ge=1)]
-    server_time: Seconds
+    missed_beats: Annotated[int, Field(ge=1, le=1000)]
+    server_time: Timestamp
 
 
 class Action(StrEnum):
@@ -256,11 +312,11 @@ class RestoreMode(StrEnum):
 
 class Command(_Frame):
     type: Literal["command"] = "command"
-    id: Annotated[str, Field(min_length=1, max_length=100)]
+    id: CommandId
     action: Action
-    decision: int | None = None
+    decision: Annotated[int, Field(ge=1, le=MAX_SEQ)] | None = None
     plan: dict[str, Any] | None = None
-    step: Annotated[int, Field(ge=0)] | None = None  # resume from this step
+    step: Step | None = None  # resume from this step
     restore: RestoreMode | None = None  # apply_plan only; None: from peers
     # apply_plan only: the previous plan's devices that are alive, when the new plan leaves
     # some of them out; each may send the layers it holds (then it idles). None: the devices
@@ -288,9 +344,9 @@ class Command(_Frame):
 class Error(_Frame):
     type: Literal["error"] = "error"
     code: ErrorCode
-    message: str
-    field: str | None = None
-    seq: int | None = None  # the refused frame's sequence number, when it had one
+    message: Text
+    field: ShortText | None = None
+    seq: Seq | None = None  # the refused frame's sequence number, when it had one
 
 
 Ack.model_rebuild()

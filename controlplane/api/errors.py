@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -49,3 +51,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         detail = response.data["detail"]
         response.data = body(str(getattr(detail, "code", "error")), str(detail))
     return response
+
+
+def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 404 for a URL no route matches (``handler404``): under /api/ the API's one JSON
+    shape (an id with a dot or a slash in it), elsewhere the usual page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(body("not_found", "no such URL in the API"), status=404)
+    return defaults.page_not_found(request, exception)

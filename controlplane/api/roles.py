@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+from django.conf import settings
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
@@ -65,3 +66,13 @@ class ReadOrAdminister(BasePermission):
     def has_permission(self, request: Request, view: Any) -> bool:
         needed = Role.VIEWER if request.method in SAFE_METHODS else Role.ADMIN
         return role_of(request.user) >= needed
+
+
+class SchemaAccess(BasePermission):
+    """The OpenAPI schema and its docs: public, or for any role where the deployment says so
+    (``PITSTOP_SCHEMA_LOGIN``)."""
+
+    message = "the API schema needs the viewer, operator or admin role here"
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        return not settings.PITSTOP_SCHEMA_LOGIN or role_of(request.user) >= Role.VIEWER

@@ -6,6 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from controlplane.bridge.vocabulary import FailureKind
 from controlplane.incidents.models import Drill, Failure, RecoveryDecision, TimelineEvent
 from controlplane.jobs.models import ApprovalMode, Device, Job, Node
 from controlplane.simulations.models import Sweep
@@ -85,9 +86,34 @@ class AgentTokenSerializer(serializers.Serializer):
     )
 
 
+# The most devices one what-if may fail (the largest job the planner is measured on, 16,384
+# devices, four times over): a request is bounded before the core sees it.
+MAX_WHAT_IF_DEVICES = 65_536
+
+
 class WhatIfSerializer(serializers.Serializer):
-    devices = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=1)
-    kind = serializers.CharField(default="crash")
+    devices = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=2**31 - 1),
+        min_length=1,
+        max_length=MAX_WHAT_IF_DEVICES,
+    )
+    kind = serializers.ChoiceField(choices=[k.value for k in FailureKind], default="crash")
+
+
+class PolicySerializer(serializers.Serializer):
+    """A recovery policy the core knows, as ``GET /api/v1/policies/`` lists it."""
+
+    name = serializers.CharField()
+    summary = serializers.CharField()
+    options = serializers.DictField(help_text="each option's default")
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every error the API answers (controlplane.api.errors)."""
+
+    code = serializers.CharField(help_text="stable, e.g. invalid, not_found, infeasible_plan")
+    message = serializers.CharField()
+    field = serializers.CharField(allow_null=True, help_text="the field at fault, if one is")
 
 
 class FailureSerializer(serializers.ModelSerializer):
@@ -114,7 +140,7 @@ class FailureSerializer(serializers.ModelSerializer):
 class RecoverySerializer(serializers.ModelSerializer):
     failure = FailureSerializer(read_only=True)
     chosen_by: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
+        slug_field="username", read_only=True, allow_null=True
     )
     candidates = serializers.SerializerMethodField(
         help_text="every policy's candidate as the core's codec writes it, declines included"
@@ -157,6 +183,10 @@ class OverrideSerializer(serializers.Serializer):
     candidate = serializers.IntegerField(min_value=0, required=False)
     plan = serializers.JSONField(required=False, help_text="an edited plan (codec format)")
     reason = serializers.CharField(allow_blank=True, default="", max_length=2000)
+
+
+class DismissSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, help_text="why the failure is a false alarm")
 
 
 class DrillCreateSerializer(serializers.Serializer):
@@ -239,7 +269,7 @@ class SweepCreateSerializer(serializers.Serializer):
     hours = serializers.FloatField(default=9.0, min_value=0.001, max_value=100_000)
     policies = serializers.ListField(child=serializers.CharField(), min_length=1)
     seeds = serializers.IntegerField(default=1, min_value=1, max_value=1000)
-    base_seed = serializers.IntegerField(default=0, min_value=0)
+    base_seed = serializers.IntegerField(default=0, min_value=0, max_value=2**32 - 1)
     trace = serializers.DictField(
         default=dict, help_text="how to draw failures: the simulator's trace fields (docs)"
     )

@@ -1,5 +1,5 @@
-"""REST API v1: policies, jobs (with what-if), failures, recoveries (approve, override) and the
-recovery timeline, exported as JSON or CSV (``?format=csv``)."""
+"""REST API v1: policies, jobs (with what-if), failures, recoveries (approve, override,
+dismiss) and the recovery timeline, exported as JSON or CSV (``?format=csv``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 from django.db.models import Count, Model, Q, QuerySet
 from django.utils.dateparse import parse_datetime
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from redis.exceptions import RedisError
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view, permission_classes
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
 from rest_framework.request import Request
@@ -25,6 +25,7 @@ from rest_framework.response import Response
 from controlplane.api import errors
 from controlplane.api import serializers as s
 from controlplane.api.roles import CanAdminister, CanOperate, CanRead, ReadOrAdminister
+from controlplane.api.schema import error, query
 from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import (
@@ -42,6 +43,9 @@ from controlplane.simulations.models import Sweep
 
 _M = TypeVar("_M", bound=Model)
 
+# Ids are 64-bit signed integers (BigAutoField) in every database Pitstop runs on.
+MAX_ID = 2**63 - 1
+
 TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "step", "payload")
 
 
@@ -55,13 +59,19 @@ class CSVRenderer(BaseRenderer):
     def render(
         self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None
     ) -> bytes:
-        rows = data if isinstance(data, list) else data.get("events", [data])
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         if isinstance(data, dict) and "code" in data and "events" not in data:
             writer.writerow(("code", "message", "field"))  # an error, kept readable
             writer.writerow((data.get("code"), data.get("message"), data.get("field")))
             return out.getvalue().encode()
+        if isinstance(data, dict) and "events" not in data:
+            writer.writerow(("name", "value"))  # anything else (OPTIONS' description) as pairs
+            writer.writerows(
+                (k, v if isinstance(v, str) else json.dumps(v)) for k, v in data.items()
+            )
+            return out.getvalue().encode()
+        rows = data if isinstance(data, list) else data["events"]
         writer.writerow(TIMELINE_COLUMNS)
         for row in rows:
             writer.writerow(
@@ -72,13 +82,21 @@ class CSVRenderer(BaseRenderer):
 
 
 TIMELINE_RENDERERS = (JSONRenderer, BrowsableAPIRenderer, CSVRenderer)
+TIME_FILTERS = [
+    query("since", dt.datetime, "events at or after this time (ISO 8601 with its offset)"),
+    query("until", dt.datetime, "events before this time (ISO 8601 with its offset)"),
+]
+JOB = query("job", int, "the job's id")
 
 
 def _time(request: Request, name: str) -> dt.datetime | None:
     text = request.query_params.get(name)
     if text is None:
         return None
-    value = parse_datetime(text.replace(" ", "+"))
+    try:
+        value = parse_datetime(text.replace(" ", "+"))
+    except ValueError:  # the right shape, an impossible date: February 30, month 13, hour 25
+        value = None
     if value is None or value.tzinfo is None:
         raise ValidationError(
             {name: ["expected an ISO 8601 time with its offset, e.g. 2026-11-24T00:00:00Z"]}
@@ -99,12 +117,33 @@ def _int_param(request: Request, name: str) -> int | None:
     text = request.query_params.get(name)
     if text is None:
         return None
-    if not text.isdigit():
-        raise ValidationError({name: [f"expected an id, got {text!r}"]})
-    return int(text)
+    value = parse_id(text)
+    if value is None:
+        raise ValidationError({name: [f"expected an id from 1 to {MAX_ID}, got {text[:40]!r}"]})
+    return value
 
 
-@extend_schema(responses={200: dict})
+def parse_id(text: str) -> int | None:
+    """A database id written in ASCII digits (``isdigit`` also takes "²"), within the column's
+    range; None otherwise."""
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_ID)):
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_ID else None
+
+
+class BoundedIdMixin:
+    """A detail route's id that is no id of a row (not digits, beyond the column) is a 404."""
+
+    kwargs: dict[str, Any]
+
+    def get_object(self) -> Any:
+        if parse_id(str(self.kwargs.get("pk", ""))) is None:
+            raise NotFound("no such id")
+        return super().get_object()  # type: ignore[misc]
+
+
+@extend_schema(responses={200: s.PolicySerializer(many=True)})
 @api_view(["GET"])
 @permission_classes([CanRead])
 def policies(request: Request) -> Response:
@@ -113,6 +152,7 @@ def policies(request: Request) -> Response:
 
 
 class JobViewSet(
+    BoundedIdMixin,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
     mixins.CreateModelMixin,
@@ -163,7 +203,7 @@ class JobViewSet(
         given.is_valid(raise_exception=True)
         return Response(decisions.what_if(job, **given.validated_data))
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: dict, 503: error("Redis cannot be reached")})
     @action(detail=True, permission_classes=[CanRead])
     def live(self, request: Request, pk: str | None = None) -> Response:
         """The job's live picture from its heartbeats (at most half a second old): nodes heard
@@ -178,7 +218,13 @@ class JobViewSet(
             )
 
     @extend_schema(
-        methods=["POST"], request=s.DrillCreateSerializer, responses={202: s.DrillSerializer}
+        methods=["POST"],
+        request=s.DrillCreateSerializer,
+        responses={
+            202: s.DrillSerializer,
+            409: error("node_not_connected: the node's agent is not connected"),
+            503: error("not_sent: Redis cannot be reached"),
+        },
     )
     @extend_schema(methods=["GET"], responses={200: s.DrillSerializer(many=True)})
     @action(detail=True, methods=["get", "post"])
@@ -207,7 +253,7 @@ class JobViewSet(
             return [(CanRead if self.request.method in SAFE_METHODS else CanOperate)()]
         return list(super().get_permissions())
 
-    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
+    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)}, parameters=TIME_FILTERS)
     @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])
     def timeline(self, request: Request, pk: str | None = None) -> Response:
         """The job's timeline, oldest first; ``since``/``until`` filter, CSV exports it all."""
@@ -230,7 +276,12 @@ def _timeline_response(
     return response
 
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[JOB, query("status", str, "the nodes' status", NodeStatus.values)]
+    )
+)
+class NodeViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
     """Nodes with their status and device ids, by job and index; ``?job=ID`` and
     ``?status=S`` filter."""
 
@@ -244,7 +295,16 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         return _choice_filter(self.request, nodes, "status", NodeStatus.values)
 
 
-class DeviceViewSet(viewsets.ReadOnlyModelViewSet):
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            JOB,
+            query("node", str, "the devices of the node of this name"),
+            query("state", str, "the devices' state", DeviceState.values),
+        ]
+    )
+)
+class DeviceViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
     """Devices (the core's ids) with their state and node, by job and index; ``?job=ID``,
     ``?node=NAME`` and ``?state=S`` filter."""
 
@@ -273,7 +333,8 @@ def _choice_filter(
     return rows.filter(**{name: value})
 
 
-class FailureViewSet(viewsets.ReadOnlyModelViewSet):
+@extend_schema_view(list=extend_schema(parameters=[JOB]))
+class FailureViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
     """Failures, newest first; ``?job=ID`` filters."""
 
     serializer_class = s.FailureSerializer
@@ -322,7 +383,12 @@ def _phase(name: str, start: dt.datetime | None, end: dt.datetime | None) -> dic
     return {"phase": name, "start": start, "end": end, "seconds": seconds}
 
 
-class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[JOB, query("status", str, "the decisions' status", DecisionStatus.values)]
+    )
+)
+class RecoveryViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
     """Recovery decisions, newest first; ``?job=ID`` and ``?status=`` filter."""
 
     serializer_class = s.RecoverySerializer
@@ -337,7 +403,10 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
             found = found.filter(job_id=job)
         return _choice_filter(self.request, found, "status", DecisionStatus.values)
 
-    @extend_schema(request=s.ApproveSerializer, responses={200: s.RecoverySerializer})
+    @extend_schema(
+        request=s.ApproveSerializer,
+        responses={200: s.RecoverySerializer, 409: error("the decision is not proposed")},
+    )
     @action(detail=True, methods=["post"], permission_classes=[CanOperate])
     def approve(self, request: Request, pk: str | None = None) -> Response:
         decision = self.get_object()
@@ -346,7 +415,10 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
         decisions.approve(decision.pk, user=request.user, **given.validated_data)  # type: ignore[arg-type]
         return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
 
-    @extend_schema(request=s.OverrideSerializer, responses={200: s.RecoverySerializer})
+    @extend_schema(
+        request=s.OverrideSerializer,
+        responses={200: s.RecoverySerializer, 409: error("the decision is not proposed")},
+    )
     @action(detail=True, methods=["post"], permission_classes=[CanOperate])
     def override(self, request: Request, pk: str | None = None) -> Response:
         decision = self.get_object()
@@ -362,7 +434,25 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
         )
         return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
 
-    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)})
+    @extend_schema(
+        request=s.DismissSerializer,
+        responses={
+            200: s.RecoverySerializer,
+            400: error("no reason given"),
+            409: error("the decision is not planning or proposed"),
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[CanOperate])
+    def dismiss(self, request: Request, pk: str | None = None) -> Response:
+        """A false alarm: the decision ends ``dismissed`` with no plan applied and the failure's
+        devices whose agents are heard are back in service."""
+        decision = self.get_object()
+        given = s.DismissSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        decisions.dismiss(decision.pk, user=request.user, **given.validated_data)  # type: ignore[arg-type]
+        return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
+
+    @extend_schema(responses={200: s.TimelineEventSerializer(many=True)}, parameters=TIME_FILTERS)
     @action(detail=True, renderer_classes=TIMELINE_RENDERERS, permission_classes=[CanRead])
     def timeline(self, request: Request, pk: str | None = None) -> Response:
         """This recovery's events, its phases (detect, plan, approve, transfer, restart, first
@@ -381,6 +471,7 @@ class RecoveryViewSet(viewsets.ReadOnlyModelViewSet):
 
 
 class SweepViewSet(
+    BoundedIdMixin,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
     mixins.CreateModelMixin,

@@ -27,6 +27,7 @@ from controlplane.incidents.models import (
     RecoveryDecision,
 )
 from controlplane.incidents.transitions import IllegalTransition, record, transition
+from controlplane.jobs import liveness
 from controlplane.jobs.models import (
     ApprovalMode,
     Device,
@@ -34,6 +35,7 @@ from controlplane.jobs.models import (
     Job,
     JobStatus,
     Node,
+    NodeStatus,
     heavy,
 )
 from controlplane.jobs.services import failed_devices
@@ -166,6 +168,49 @@ def record_failure(
         detection_latency_s=failure.detection_latency_s,
     )
     return failure, decision
+
+
+def record_idle_failure(
+    job: Job,
+    *,
+    kind: str,
+    devices: Iterable[int],
+    source: str,
+    occurred_at: dt.datetime,
+    node: Node | None = None,
+    message: str = "",
+    step: int | None = None,
+) -> Failure:
+    """Record a failure of devices the running plan does not use (spares that never joined):
+    they are down and on the timeline, but nothing trains on them, so no decision is opened."""
+    devices = sorted(set(devices))
+    now = timezone.now()
+    with transaction.atomic():
+        Device.objects.filter(job=job, index__in=devices).update(state=DeviceState.FAILED)
+        failure = Failure.objects.create(
+            job=job,
+            node=node,
+            kind=kind,
+            devices=devices,
+            source=source,
+            occurred_at=min(occurred_at, now),
+            detected_at=now,
+            message=message,
+            step=step,
+        )
+        record(
+            job,
+            EventKind.FAILURE_DETECTED,
+            actor=source,
+            failure=failure,
+            at=now,
+            failure_kind=kind,
+            devices=devices,
+            detection_latency_s=failure.detection_latency_s,
+            step=step,
+        )
+    log.info("failure.recorded_idle", job=job.pk, failure=failure.pk, kind=kind, devices=devices)
+    return failure
 
 
 def _latency(occurred_at: dt.datetime, detected_at: dt.datetime) -> float:
@@ -342,6 +387,61 @@ def override(
     )
 
 
+def dismiss(decision_id: int, *, user: AbstractBaseUser, reason: str) -> RecoveryDecision:
+    """An operator calls the failure a false alarm (a stalled control plane, a slow node): the
+    decision ends ``dismissed`` with no plan applied, and the failure's devices are back in
+    service (in the plan: healthy, else spare), each with its node healthy again, where that
+    node's agent is heard now; the devices of a node not heard within the heartbeat deadline
+    stay failed. ``reason`` is required (``rows.InvalidScenario`` naming it)."""
+    if not reason.strip():
+        raise rows.InvalidScenario("say why the failure is a false alarm", field="reason")
+    job_id = RecoveryDecision.objects.values_list("job_id", flat=True).get(pk=decision_id)
+    heard = _heard_nodes(job_id)
+    with transaction.atomic():
+        # locked first: a failure joining this decision meanwhile waits, so no device is missed
+        locked = RecoveryDecision.objects.select_for_update().select_related("failure")
+        failure = locked.get(pk=decision_id).failure
+        on_node = dict(
+            Device.objects.filter(job_id=job_id, index__in=failure.devices).values_list(
+                "index", "node__name"
+            )
+        )
+        back = sorted(d for d, node in on_node.items() if node in heard)
+        down = sorted(set(failure.devices) - set(back))
+        decision = transition(
+            decision_id,
+            DecisionStatus.DISMISSED,
+            actor=user.get_username(),
+            payload={"reason": reason, "devices_back": back, "devices_down": down},
+            chosen_by=user,
+            reason=reason,
+        )
+        job = decision.job
+        used = {d for p in job.plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+        devices = Device.objects.filter(job_id=job_id, index__in=back)
+        devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
+        devices.exclude(index__in=used).update(state=DeviceState.SPARE)
+        Node.objects.filter(
+            job_id=job_id, name__in={on_node[d] for d in back}, status=NodeStatus.FAILED
+        ).update(status=NodeStatus.HEALTHY)
+        still_down = Device.objects.filter(
+            job_id=job_id, index__in=used, state=DeviceState.FAILED
+        ).exists()
+        if not still_down:  # else a failure this decision took over still waits for a plan
+            Job.objects.filter(pk=job_id, status=JobStatus.RECOVERING).update(
+                status=JobStatus.RUNNING
+            )
+    log.info("decision.dismissed", decision=decision_id, job=job_id, back=back, down=down)
+    return decision
+
+
+def _heard_nodes(job_id: int) -> set[str]:
+    """The job's nodes heard within the heartbeat deadline: their agents are connected."""
+    since = timezone.now().timestamp() - liveness.HEARTBEAT_INTERVAL_S * liveness.MISSED_BEATS
+    names = liveness.sync_client().zrangebyscore(liveness.seen_key(job_id), since, "+inf")
+    return {n.decode() if isinstance(n, bytes) else str(n) for n in names}
+
+
 # --- what-if -------------------------------------------------------------------------------
 
 
@@ -369,6 +469,7 @@ __all__ = [
     "IllegalTransition",
     "apply_after_deadline",
     "approve",
+    "dismiss",
     "override",
     "plan",
     "record_failure",

@@ -67,13 +67,15 @@ class DecisionStatus(models.TextChoices):
     RECOVERED = "recovered"
     FAILED = "failed"
     SUPERSEDED = "superseded"
+    DISMISSED = "dismissed"  # an operator called the failure a false alarm: nothing applied
 
 
 S = DecisionStatus
-# Every legal move; anything else is refused. A second failure supersedes an open decision.
+# Every legal move; anything else is refused. A second failure supersedes an open decision; an
+# operator dismisses one (a false alarm) until a plan is chosen, not once it is being applied.
 LEGAL: dict[str, frozenset[str]] = {
-    S.PLANNING: frozenset({S.PROPOSED, S.FAILED, S.SUPERSEDED}),
-    S.PROPOSED: frozenset({S.APPROVED, S.OVERRIDDEN, S.AUTO_APPLIED, S.SUPERSEDED}),
+    S.PLANNING: frozenset({S.PROPOSED, S.FAILED, S.SUPERSEDED, S.DISMISSED}),
+    S.PROPOSED: frozenset({S.APPROVED, S.OVERRIDDEN, S.AUTO_APPLIED, S.SUPERSEDED, S.DISMISSED}),
     S.APPROVED: frozenset({S.APPLYING, S.SUPERSEDED}),
     S.OVERRIDDEN: frozenset({S.APPLYING, S.SUPERSEDED}),
     S.AUTO_APPLIED: frozenset({S.APPLYING, S.SUPERSEDED}),
@@ -81,6 +83,7 @@ LEGAL: dict[str, frozenset[str]] = {
     S.RECOVERED: frozenset(),
     S.FAILED: frozenset(),
     S.SUPERSEDED: frozenset(),
+    S.DISMISSED: frozenset(),
 }
 TERMINAL = frozenset(status for status, moves in LEGAL.items() if not moves)
 OPEN = frozenset(DecisionStatus) - TERMINAL
@@ -154,6 +157,7 @@ class EventKind(models.TextChoices):
     RECOVERED = "recovered"
     FAILED = "failed"
     SUPERSEDED = "superseded"
+    DISMISSED = "dismissed"  # an operator's false alarm: the devices are back, nothing applied
     DRILL_SENT = "drill_sent"  # an operator injected a fault for a drill (``Drill``)
     DRILL_ACKED = "drill_acked"  # the agent did it, or refused it
 

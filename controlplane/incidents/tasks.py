@@ -1,10 +1,20 @@
 """Celery tasks of incidents: thin wrappers around ``decisions``, safe to run twice.
 
 Tasks are acknowledged late and rejected when their worker dies, so a worker killed mid-task
-leaves its message to another worker; ``decisions`` makes a second run harmless.
+leaves its message to another worker; ``decisions`` makes a second run harmless. The broker
+gives a dead worker's message back only after its visibility timeout, so a worker planning a
+decision also holds a short lease on it in Redis (``planning_lease``): a lease that lapses while
+the decision is still planning means its worker is gone, and ``requeue_orphaned`` queues the
+planning again at once instead of after ``requeue_overdue``'s 30 s.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 from kombu.exceptions import OperationalError
@@ -14,14 +24,62 @@ from redis.exceptions import RedisError
 # the detector) may never have loaded it, and would publish to Celery's default broker.
 from controlplane.celery import app
 from controlplane.incidents import applying, decisions
+from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.jobs import liveness
 
 log = structlog.get_logger(__name__)
+
+# A planning worker's lease on its decision lapses this long after the worker stops renewing it
+# (killed, frozen); it renews four times a lease.
+PLANNING_LEASE_S = 2.0
+PLANNING_KEY = f"{liveness.PREFIX}:planning"  # the decisions a worker took, for requeue_orphaned
+
+
+def planning_lease_key(decision_id: int) -> str:
+    """Who plans the decision (``host:pid``), while its lease lasts."""
+    return f"{PLANNING_KEY}:{decision_id}"
+
+
+@contextmanager
+def planning_lease(decision_id: int) -> Iterator[None]:
+    """Hold the decision's planning lease while the block runs, renewed by a thread. Without
+    Redis the block runs all the same; ``requeue_overdue`` is then the fallback."""
+    redis = liveness.sync_client()
+    key, ttl_ms = planning_lease_key(decision_id), int(PLANNING_LEASE_S * 1000)
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(PLANNING_LEASE_S / 4):
+            try:
+                redis.pexpire(key, ttl_ms)
+            except RedisError as exc:
+                log.warning("planning.lease_lost", decision=decision_id, error=str(exc))
+
+    try:
+        # the lease first, then the mark: a marked decision without a lease has lost its worker
+        redis.set(key, f"{socket.gethostname()}:{os.getpid()}", px=ttl_ms)
+        redis.sadd(PLANNING_KEY, decision_id)
+    except RedisError as exc:
+        log.warning("planning.lease_failed", decision=decision_id, error=str(exc))
+    renewer = threading.Thread(target=renew, name=f"lease-{decision_id}", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        renewer.join()
+        try:
+            redis.srem(PLANNING_KEY, decision_id)
+            redis.delete(key)
+        except RedisError as exc:
+            log.warning("planning.lease_release_failed", decision=decision_id, error=str(exc))
 
 
 @app.task(acks_late=True, reject_on_worker_lost=True, name="incidents.plan_recovery")
 def plan_recovery(decision_id: int) -> str:
     """Plan a decision with the core; returns its status afterwards."""
-    return decisions.plan(decision_id, schedule_timeout=schedule_deadline)
+    with planning_lease(decision_id):
+        return decisions.plan(decision_id, schedule_timeout=schedule_deadline)
 
 
 @app.task(acks_late=True, reject_on_worker_lost=True, name="incidents.apply_after_deadline")
@@ -40,6 +98,33 @@ def enqueue_planning(decision_id: int) -> None:
         plan_recovery.delay(decision_id)
     except (OperationalError, RedisError, OSError) as exc:
         log.warning("planning.enqueue_failed", decision=decision_id, error=str(exc))
+
+
+def requeue_orphaned() -> list[int]:
+    """Queue again the planning of every decision whose worker took it and let its lease lapse
+    (the worker died or froze) while it is still planning; returns their ids. Each lapse is
+    claimed once (``SREM``), so two callers re-queue a decision once; a frozen worker that wakes
+    finds the decision planned and leaves it (``decisions.plan``). Raises ``RedisError``."""
+    redis = liveness.sync_client()
+    marked = [int(d) for d in redis.smembers(PLANNING_KEY)]
+    if not marked:
+        return []
+    leases = redis.mget([planning_lease_key(d) for d in marked])
+    lapsed = [d for d, holder in zip(marked, leases, strict=True) if holder is None]
+    if not lapsed:
+        return []
+    planning = set(
+        RecoveryDecision.objects.filter(pk__in=lapsed, status=DecisionStatus.PLANNING).values_list(
+            "pk", flat=True
+        )
+    )
+    orphaned = []
+    for decision_id in lapsed:
+        if redis.srem(PLANNING_KEY, decision_id) and decision_id in planning:
+            log.warning("planning.orphaned", decision=decision_id)
+            enqueue_planning(decision_id)
+            orphaned.append(decision_id)
+    return orphaned
 
 
 def requeue_overdue(*, planning_after_s: float = 30.0) -> tuple[list[int], list[str]]:

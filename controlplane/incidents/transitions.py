@@ -38,6 +38,7 @@ EVENT_OF: dict[str, str] = {
     DecisionStatus.RECOVERED: EventKind.RECOVERED,
     DecisionStatus.FAILED: EventKind.FAILED,
     DecisionStatus.SUPERSEDED: EventKind.SUPERSEDED,
+    DecisionStatus.DISMISSED: EventKind.DISMISSED,
 }
 
 

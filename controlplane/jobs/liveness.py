@@ -26,7 +26,8 @@ from redis.exceptions import RedisError
 
 log = structlog.get_logger(__name__)
 
-PREFIX = "pitstop"
+# The deployment's keys: its namespace and Redis database number (docs/operations.md).
+PREFIX: str = settings.PITSTOP_REDIS_PREFIX
 # Seconds between heartbeats and how many missed ones make a node failed (docs/protocol.md).
 HEARTBEAT_INTERVAL_S: float = settings.PITSTOP_HEARTBEAT_INTERVAL_S
 MISSED_BEATS: int = settings.PITSTOP_MISSED_BEATS

@@ -13,6 +13,7 @@ import secrets
 from typing import Any
 
 from django.db import models
+from django.utils import timezone
 
 
 class ApprovalMode(models.TextChoices):
@@ -25,8 +26,13 @@ class JobStatus(models.TextChoices):
     PENDING = "pending"  # created, no agent has said hello yet
     RUNNING = "running"
     RECOVERING = "recovering"  # a failure is being handled
-    STOPPED = "stopped"
+    STOPPED = "stopped"  # every agent that joined said goodbye
+    STALE = "stale"  # no node heard for longer than the join deadline
     FAILED = "failed"  # no policy could recover it
+
+
+# Statuses of a job whose nodes are watched: the detector's sweep looks at these only.
+LIVE_JOB = (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.RECOVERING)
 
 
 # A job's large JSON fields: its scenario and plan, megabytes at 16,384 devices. The hot paths
@@ -65,10 +71,13 @@ class Job(models.Model):
 
 
 class NodeStatus(models.TextChoices):
-    PENDING = "pending"  # no agent has said hello for it yet
-    HEALTHY = "healthy"  # its agent is connected
+    """A node's lifecycle: expected (in the job's scenario) -> joined (its agent's hello:
+    healthy, suspect while a heartbeat is late) -> failed (lost, or never joined) or left."""
+
+    EXPECTED = "expected", "expected, not yet heard"
+    HEALTHY = "healthy"  # joined: its agent is connected
     SUSPECT = "suspect"  # a heartbeat is late
-    FAILED = "failed"
+    FAILED = "failed"  # lost, or not joined within the join deadline (never_joined)
     LEFT = "left"  # said goodbye
 
 
@@ -78,10 +87,18 @@ class Node(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="nodes")
     name = models.CharField(max_length=200)
     index = models.PositiveIntegerField(help_text="node number in the cluster (device // per node)")
-    status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.PENDING)
+    status = models.CharField(
+        max_length=16, choices=NodeStatus.choices, default=NodeStatus.EXPECTED
+    )
+    expected_at = models.DateTimeField(
+        default=timezone.now,
+        help_text="when its hello began to be awaited (the join deadline runs from it)",
+    )
+    joined_at = models.DateTimeField(null=True, blank=True, help_text="its agent's latest hello")
 
     class Meta:
         ordering = ("job", "index")
+        indexes = (models.Index(fields=["status", "expected_at"]),)
         constraints = (
             models.UniqueConstraint(fields=["job", "name"], name="node_name_unique_per_job"),
             models.UniqueConstraint(fields=["job", "index"], name="node_index_unique_per_job"),
@@ -158,6 +175,33 @@ class AgentToken(models.Model):
         line (the agent's refused to start); the prefix also makes a leaked token recognisable."""
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         return cls.objects.create(job=job, node=node, digest=token_digest(token)), token
+
+    def revoke(self) -> None:
+        """Revoke the token now: no hello with it is accepted from now on, and once this
+        commits, every open agent socket that said hello with it closes (``unauthorised``)
+        and its node is lost, as for any socket that closes without goodbye."""
+        from django.db import transaction
+        from django.utils import timezone as tz
+        from redis.exceptions import RedisError
+
+        from controlplane.streaming import hub
+
+        if self.revoked_at is None:
+            self.revoked_at = tz.now()
+            self.save(update_fields=["revoked_at"])
+        nodes = Node.objects.filter(job_id=self.job_id)
+        if self.node_id is not None:
+            nodes = nodes.filter(pk=self.node_id)
+        names = list(nodes.values_list("name", flat=True))
+
+        def tell() -> None:
+            for name in names:
+                try:
+                    hub.publish(self.job_id, name, {"revoked_token": self.pk})
+                except RedisError:  # its sockets still fail at their next fault or ack
+                    return
+
+        transaction.on_commit(tell)
 
     @classmethod
     def find(cls, token: str, **filters: Any) -> AgentToken | None:

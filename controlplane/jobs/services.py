@@ -7,6 +7,7 @@ from typing import Any
 from django.db import transaction
 
 from controlplane.bridge import rows
+from controlplane.jobs import lifecycle
 from controlplane.jobs.models import (
     AgentToken,
     ApprovalMode,
@@ -89,7 +90,8 @@ def issue_agent_token(job: Job, *, node: str | None = None) -> str:
 
 
 def failed_devices(job: Job) -> set[int]:
-    """The devices of ``job`` that are down now."""
-    return set(
-        Device.objects.filter(job=job, state=DeviceState.FAILED).values_list("index", flat=True)
-    )
+    """The devices of ``job`` that are down now, or were never heard from: those of nodes not
+    joined within the join deadline count as failed whether or not their ``never_joined`` is
+    recorded yet (``lifecycle.unheard_devices``), so that no plan is put on them."""
+    down = Device.objects.filter(job=job, state=DeviceState.FAILED).values_list("index", flat=True)
+    return set(down) | lifecycle.unheard_devices(job.pk)

@@ -10,7 +10,8 @@ the same as one: a snapshot per half second, not a fan-out of every heartbeat.
 from __future__ import annotations
 
 import json
-import statistics
+import math
+import sys
 import time
 from collections import Counter
 from typing import Any
@@ -52,21 +53,18 @@ def build(redis: redis_sync.Redis, job_id: int, now_s: float | None = None) -> d
         )
         if metrics.get("step") is not None:
             steps.append(metrics["step"])
-        if metrics.get("loss") is not None:
-            losses.append(metrics["loss"])
-        if metrics.get("samples_per_s") is not None:
-            rates.append(metrics["samples_per_s"])
-        if metrics.get("step_time_s") is not None:
-            step_times.append(metrics["step_time_s"])
+        losses.extend(_finite(metrics.get("loss")))
+        rates.extend(_finite(metrics.get("samples_per_s")))
+        step_times.extend(_finite(metrics.get("step_time_s")))
     return {
         "job": job_id,
         "at": now_s,
         "nodes_connected": len(nodes),
         "device_states": dict(states),
         "step": max(steps, default=None),
-        "loss": statistics.fmean(losses) if losses else None,
-        "samples_per_s": sum(rates) if rates else None,
-        "step_time_s": statistics.median(step_times) if step_times else None,
+        "loss": _mean(losses),
+        "samples_per_s": _clamp(sum(rates)) if rates else None,
+        "step_time_s": _median(step_times),
         "nodes": nodes,
     }
 
@@ -109,6 +107,39 @@ def job_step(job_id: int, *, node: str | None = None, known: int | None = None) 
     except (RedisError, OSError, ValueError):
         pass
     return max((s for s in steps if isinstance(s, int)), default=None)
+
+
+# The aggregates of finite reports stay finite, so the picture is always valid JSON (which has
+# no inf or NaN): no sum or mean overflows, a sum beyond a float is the largest float.
+
+
+def _finite(value: Any) -> list[float]:
+    """The value as a one-item list when it is a finite number, else nothing."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value) if abs(value) <= sys.float_info.max else math.inf
+        return [number] if math.isfinite(number) else []
+    return []
+
+
+def _clamp(value: float) -> float:
+    return max(-sys.float_info.max, min(sys.float_info.max, value))
+
+
+def _mean(values: list[float]) -> float | None:
+    if not values:
+        return None
+    mean = _clamp(sum(v / len(values) for v in values))  # divided first: no overflow
+    return max(min(values), min(max(values), mean))  # and no rounding outside the values
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered, middle = sorted(values), len(values) // 2
+    if len(values) % 2:
+        return ordered[middle]
+    low, high = ordered[middle - 1], ordered[middle]
+    return max(low, min(high, low / 2 + high / 2))  # halved first: no overflow
 
 
 def _text(value: Any) -> str:

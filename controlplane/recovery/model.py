@@ -318,6 +318,7 @@ class FailureKind(StrEnum):
     NAN = "nan"
     LINK = "link"
     NODE_LOST = "node_lost"
+    NEVER_JOINED = "never_joined"  # expected in the job, not heard within the join deadline
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,16 +9,28 @@ planning is handed to Celery after the commit. Nothing one agent sends reaches a
 Commands reach the socket through the process's ``hub`` (no channel layer: see there). The
 consumer sends its node's unfinished commands again at ``hello``, records acknowledgements,
 and while a command awaits the agent's return to training, reports the heartbeats that show it
-(``incidents.applying``); otherwise a heartbeat touches nothing but Redis.
+(``incidents.applying``); otherwise a heartbeat touches nothing but Redis. A token revoked
+(``AgentToken.revoke``) closes the sockets that said hello with it, through the same hub; so
+does the heartbeat deadline's failure of a node (``jobs.detector``) for a socket a partition
+left open and unheard since (``CloseCode.SILENT``, no second failure): its agent says hello
+again, as a new member, when the link is back.
+
+A socket must say hello within ``PITSTOP_HELLO_TIMEOUT_S``, and a process holds at most
+``PITSTOP_MAX_WAITING_SOCKETS`` sockets that have not: more are closed at once (``BUSY``), so
+silent sockets cannot use up the descriptors that agents and ``/healthz`` need. Whichever way a
+connection ends (a close by either side, a frame after the server's close, an error, the server
+cancelling it), ``release`` gives the node back once and records its loss once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import json
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,6 +38,7 @@ from typing import Any, TypeVar
 import structlog
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 from redis.exceptions import RedisError
@@ -33,12 +46,10 @@ from redis.exceptions import RedisError
 from controlplane.incidents import applying, decisions, drills
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
-from controlplane.jobs import liveness, snapshot
+from controlplane.jobs import lifecycle, liveness, snapshot
 from controlplane.jobs.models import (
     AgentToken,
     Device,
-    Job,
-    JobStatus,
     Node,
     NodeStatus,
     heavy,
@@ -68,6 +79,27 @@ class Session:
     node_id: int
     node: str
     devices: frozenset[int]
+    token_id: int  # the token that opened it: revoking it ends the session
+
+
+# Per event loop (a server process has one), the sockets that have not said hello yet.
+_waiting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def waiting() -> set[str]:
+    """The ids of this event loop's sockets that have not said hello."""
+    return _waiting.setdefault(asyncio.get_running_loop(), set())
+
+
+def _revoked(token_id: int) -> bool:
+    return not AgentToken.objects.filter(pk=token_id, revoked_at__isnull=True).exists()
+
+
+def _refuse_if_revoked(session: Session) -> None:
+    if _revoked(session.token_id):
+        raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
 
 
 def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
@@ -101,15 +133,15 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
             f"devices {foreign} are not on node {node.name} (it has {sorted(owned)})",
             field="devices",
         )
-    Node.objects.filter(pk=node.pk).update(status=NodeStatus.HEALTHY)
-    # the first agent to arrive starts the job; a job recovering or failed keeps its status
-    Job.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(status=JobStatus.RUNNING)
-    session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned))
+    # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
+    lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned), token.pk)
     return session, applying.unfinished(node.pk)
 
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
     """Record the agent's fault; returns the decision's id."""
+    _refuse_if_revoked(session)
     node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
     occurred = dt.datetime.fromtimestamp(frame.at, tz=dt.UTC)
     # the step the agent saw it at (its rank's last), fresher than a heartbeat (a beat old)
@@ -131,8 +163,13 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
 
 
 def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -> None:
-    """The socket closed without goodbye: every device of the node failed, now."""
-    node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=session.node_id)
+    """The socket closed without goodbye: every device of the node failed, now (unless the
+    node is gone with its job meanwhile)."""
+    node = (
+        Node.objects.select_related("job").defer(*heavy("job")).filter(pk=session.node_id).first()
+    )
+    if node is None:
+        return
     Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
     now = timezone.now()
     heard = now if last_heard_s is None else dt.datetime.fromtimestamp(last_heard_s, tz=dt.UTC)
@@ -150,7 +187,7 @@ def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -
 
 
 def _goodbye(session: Session) -> None:
-    Node.objects.filter(pk=session.node_id).update(status=NodeStatus.LEFT)
+    lifecycle.left(job_id=session.job_id, node_id=session.node_id)
 
 
 @dataclass
@@ -159,6 +196,17 @@ class Awaited:
 
     acked: bool = False
     resumed_step: int | None = None
+
+
+def _acked(session: Session, frame: protocol.Ack) -> str | None:
+    """Record an acknowledgement: "command" or "drill", by what it acknowledged; None when the
+    node was sent no such command."""
+    _refuse_if_revoked(session)
+    if applying.acked(session.node_id, frame) is not None:
+        return "command"
+    if drills.acked(session.node_id, frame) is not None:
+        return "drill"
+    return None
 
 
 def _training(frame: protocol.Heartbeat) -> bool:
@@ -174,12 +222,23 @@ class AgentConsumer(AsyncWebsocketConsumer):
     """One agent's conversation; see the module docstring."""
 
     channel_layer_alias = None  # no layer: commands come through the hub
+    id = ""  # this connection's, set when it opens
     session: Session | None = None
     last_seq = -1
     last_heard_s: float | None = None
     last_step: int | None = None  # the step of its latest heartbeat
     leaving = False  # goodbye received, or replaced: the close is not a failure
-    raw = "{}"  # the heartbeat being handled, as received
+    closing = False  # the server closed the socket (or found it gone): frames are dropped now
+    released = False
+    raw = "{}"  # the latest heartbeat, as stored
+    hello_deadline: asyncio.TimerHandle | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # an error or a cancellation skips ``disconnect``: release here what it would have
+            await self.release(code=None)
 
     async def dispatch(self, message: dict[str, Any]) -> None:
         # Channels closes stale database connections before every message, through a thread
@@ -196,31 +255,76 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.id = uuid.uuid4().hex
         self.awaited: dict[str, Awaited] = {}
         await self.accept()
+        if len(waiting()) >= settings.PITSTOP_MAX_WAITING_SOCKETS:
+            log.warning("agent.busy", waiting=len(waiting()))
+            await self.shut(int(protocol.CloseCode.BUSY))
+            return
+        waiting().add(self.id)
+        self.hello_deadline = asyncio.get_running_loop().call_later(
+            settings.PITSTOP_HELLO_TIMEOUT_S, self.too_late
+        )
+
+    def heard_hello(self) -> None:
+        """Hello arrived (or the socket closes): no longer one that waits for it."""
+        waiting().discard(self.id)
+        if self.hello_deadline is not None:
+            self.hello_deadline.cancel()
+            self.hello_deadline = None
+
+    def too_late(self) -> None:
+        self.hello_deadline = None
+        if self.session is None and not self.closing:
+            timeout = protocol.ErrorCode.TIMEOUT
+            error = ProtocolError(timeout, f"no hello in {settings.PITSTOP_HELLO_TIMEOUT_S} s")
+            self.refusing = asyncio.get_running_loop().create_task(self.refuse(error))
+
+    async def tell(self, text: str) -> None:
+        """Send a frame, unless the socket is closed or closing (then it is dropped)."""
+        if self.closing:
+            return
+        try:
+            await self.send(text)
+        except (OSError, RuntimeError):  # the server found the socket closed by the agent
+            self.closing = True
+
+    async def shut(self, code: int) -> None:
+        """Close the socket, once; what the agent sends after that is dropped unread."""
+        if self.closing:
+            return
+        self.closing = True
+        self.heard_hello()
+        with contextlib.suppress(OSError, RuntimeError):
+            await self.close(code=code)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.closing:  # sent before the agent saw the close: nothing to answer
+            return
         raw = text_data if text_data is not None else bytes_data or b""
         try:
             frame = protocol.parse_agent_frame(raw)
-            if isinstance(frame, protocol.Heartbeat) and self.session is not None:
-                # validated: kept as the agent wrote it, the cheapest form to store
-                self.raw = raw if isinstance(raw, str) else raw.decode()
             await self.handle(frame)
         except ProtocolError as error:
             await self.refuse(error)
+        except Exception:  # a bug or an outage: this socket ends, the process goes on
+            log.exception("agent.frame_failed", session=self.session)
+            await self.shut(1011)
 
     async def refuse(self, error: ProtocolError, seq: int | None = None) -> None:
+        if self.closing:
+            return
         log.info("agent.refused", code=error.code, field=error.field, session=self.session)
-        await self.send(protocol.encode(error.frame(seq=seq)))
+        await self.tell(protocol.encode(error.frame(seq=seq)))
         close = protocol.FATAL.get(error.code)
         if close is not None:
             # a replaced connection hands the node over: its close is no failure
             self.leaving = self.leaving or error.code is ErrorCode.REPLACED
-            await self.close(code=int(close))
+            await self.shut(int(close))
 
     async def handle(self, frame: Any) -> None:
         if isinstance(frame, protocol.Hello):
             if self.session is not None:
                 raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello was already said")
+            self.heard_hello()
             await self.open(frame)
             return
         if self.session is None:
@@ -230,7 +334,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await in_thread(_goodbye)(self.session)
             self.writer.forget(self.session.job_id, self.session.node)
             await self.writer.settle()  # unwatched before the agent sees the close
-            await self.close(code=1000)
+            await self.shut(1000)
             return
         if isinstance(frame, protocol.Ack):
             await self.acked(frame)
@@ -241,21 +345,30 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 f"{frame.type} {frame.seq} after {self.last_seq}",
                 field="seq",
             )
+        # devices are checked before the sequence number moves on: a refused frame is no step
+        reported = (
+            [r.device for r in frame.devices]
+            if isinstance(frame, protocol.Heartbeat)
+            else frame.devices
+        )
+        foreign = sorted(set(reported) - self.session.devices)
+        if foreign:
+            raise ProtocolError(
+                ErrorCode.WRONG_DEVICES,
+                f"devices {foreign} are not this node's",
+                field="devices",
+            )
         self.last_seq = frame.seq
         if isinstance(frame, protocol.Heartbeat):
             self.last_heard_s, self.last_step = time.time(), frame.step
+            # stored as validated and written again: one form whatever the agent wrote
+            # (``1e3`` for a step, a key twice), so that readers parse what the schema says
+            self.raw = protocol.encode(frame)
             session = self.session
             self.writer.beat(session.job_id, session.node, self.last_heard_s, self.raw, frame.at)
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
-        elif isinstance(frame, protocol.Fault):
-            foreign = sorted(set(frame.devices) - self.session.devices)
-            if foreign:
-                raise ProtocolError(
-                    ErrorCode.WRONG_DEVICES,
-                    f"devices {foreign} are not this node's",
-                    field="devices",
-                )
+        else:
             decision = await in_thread(_fault)(self.session, frame)
             log.info(
                 "agent.fault", job=self.session.job_id, node=self.session.node, decision=decision
@@ -264,16 +377,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def acked(self, frame: protocol.Ack) -> None:
         session = self.session
         assert session is not None
-        command = await in_thread(applying.acked)(session.node_id, frame)
-        if command is None:
-            if await in_thread(drills.acked)(session.node_id, frame) is not None:
-                log.info("agent.drill_ack", node=session.node, drill=frame.command, ok=frame.ok)
-                return
+        what = await in_thread(_acked)(session, frame)
+        if what is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_COMMAND,
                 f"no command {frame.command!r} was sent to this node",
                 field="command",
             )
+        if what == "drill":
+            log.info("agent.drill_ack", node=session.node, drill=frame.command, ok=frame.ok)
+            return
         if frame.ok:
             self.awaited.setdefault(frame.command, Awaited()).acked = True
         else:
@@ -295,18 +408,35 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 awaited.resumed_step = resumed
 
     async def on_hub(self, message: dict[str, Any]) -> None:
-        """A message published to this node (``hub``): a command, or a newer connection."""
+        """A message published to this node (``hub``): a command, a newer connection, a token
+        revoked, or the heartbeat deadline's failure of the node."""
+        session = self.session
+        if self.closing or session is None:
+            return
         if message.get("replaced_by", self.id) != self.id:
             await self.refuse(
                 ProtocolError(ErrorCode.REPLACED, "another connection took this node")
             )
+        elif message.get("revoked_token") == session.token_id:
+            await self.refuse(
+                ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
+            )
+        elif "silent_since" in message:
+            # heard nothing since (a partition, no close): the deadline failed the node, and
+            # this close is no second failure; a newer socket, heard since, stays
+            if self.last_heard_s is None or self.last_heard_s <= float(message["silent_since"]):
+                log.info("agent.silent", job=session.job_id, node=session.node)
+                self.leaving = True
+                await self.shut(int(protocol.CloseCode.SILENT))
         elif "command" in message:
             await self.command(message["command"])
 
     async def command(self, frame: dict[str, Any]) -> None:
+        if self.closing:
+            return
         if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
             self.awaited.setdefault(str(frame["id"]), Awaited())
-        await self.send(json.dumps(frame, separators=(",", ":")))
+        await self.tell(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:
         session, unfinished = await in_thread(_hello)(frame)
@@ -315,10 +445,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
         with contextlib.suppress(RedisError):
             await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
         await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
+        # a revocation published before the join was not heard: look once more
+        if await in_thread(_revoked)(session.token_id):
+            self.leaving = True  # never welcomed: the node is not this socket's to lose
+            raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
         self.last_heard_s = time.time()
         self.writer.beat(session.job_id, session.node, self.last_heard_s, "{}", self.last_heard_s)
         await self.writer.settle()  # watched by the deadline before the agent is welcomed
-        await self.send(
+        await self.tell(
             protocol.encode(
                 protocol.Welcome(
                     job=session.job_name,
@@ -338,10 +472,29 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self.command(command.frame)
 
     async def disconnect(self, code: int) -> None:
+        await self.release(code=code)
+
+    async def release(self, *, code: int | None) -> None:
+        """Give back what the connection took, once: its place among the sockets waiting for
+        hello, its hub handler, and, unless it left or was replaced, its node, whose loss is
+        recorded (and, should that fail, left to the heartbeat deadline)."""
+        if self.released:
+            return
+        self.released = self.closing = True
+        self.heard_hello()
         session = self.session
-        if session is not None:
-            hub.hub().leave(session.job_id, session.node, self.id)
-            if not self.leaving:
-                self.writer.forget(session.job_id, session.node)
-                await in_thread(_lost)(session, self.last_heard_s, self.last_step)
-                log.info("agent.lost", job=session.job_id, node=session.node, code=code)
+        if session is None:
+            return
+        hub.hub().leave(session.job_id, session.node, self.id)
+        if self.leaving:
+            return
+        self.writer.forget(session.job_id, session.node)
+        try:
+            await in_thread(_lost)(session, self.last_heard_s, self.last_step)
+        except Exception:
+            # watched again from its last beat: the detector records it at the deadline
+            log.exception("agent.loss_not_recorded", job=session.job_id, node=session.node)
+            heard = self.last_heard_s or time.time()
+            self.writer.beat(session.job_id, session.node, heard, self.raw, heard)
+            return
+        log.info("agent.lost", job=session.job_id, node=session.node, code=code)

@@ -3,12 +3,16 @@
 An agent's consumer owns no channel-layer channel. With one per socket, every consumer waits on
 the layer's receive loop, and at 2,048 sockets that loop is the main cause of second-long tail
 stalls in heartbeat ingest (docs/architecture.md). Instead each process subscribes once, to
-``pitstop:agent:*``; a message published to a node's channel (``publish``) reaches the handler
-of that node's consumer, in whichever process holds its socket.
+``PATTERN`` (the deployment's ``PREFIX:agent:*``); a message published to a node's channel
+(``publish``) reaches the handler of that node's consumer, in whichever process holds its socket.
 
 Publishing is fire-and-forget: a message sent while a node has no socket, or lost to a Redis
 restart, is gone. Commands therefore live in the database and are sent again until their agent
 acknowledges them (``incidents.commands``); only what may be lost travels here alone.
+
+Pub/sub ignores the database number: the deployment's prefix (``PITSTOP_REDIS_PREFIX``, which
+holds the number and ``PITSTOP_NAMESPACE``) keeps deployments on one Redis server from hearing
+each other.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from redis.exceptions import RedisError
 
 log = structlog.get_logger(__name__)
 
-PATTERN = "pitstop:agent:*"
+# What a process subscribes to: every node channel of this deployment, and only of this one.
+PATTERN = f"{settings.PITSTOP_REDIS_PREFIX}:agent:*"
 Handler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def channel(job_id: int, node: str) -> str:
-    return f"pitstop:agent:{job_id}:{node}"
+    return f"{settings.PITSTOP_REDIS_PREFIX}:agent:{job_id}:{node}"
 
 
 _publisher: redis.Redis | None = None

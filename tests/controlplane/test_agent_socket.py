@@ -15,13 +15,17 @@ import pytest
 import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.celery import app as celery_app
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs import detector, liveness
-from controlplane.jobs.models import Job, JobStatus, Node, NodeStatus
+from controlplane.jobs.models import AgentToken, Job, JobStatus, Node, NodeStatus
 from controlplane.jobs.services import create_job, issue_agent_token
+from controlplane.streaming import hub
 from worker_agent import protocol
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
@@ -52,14 +56,14 @@ def hello(job: Job, token: str, node: str = "node-0", devices: list[int] | None 
     return protocol.encode(frame)
 
 
-def heartbeat(seq: int, step: int = 10) -> str:
+def heartbeat(seq: int, step: int = 10, device: int = 0) -> str:
     return protocol.encode(
         protocol.Heartbeat(
             seq=seq,
             at=time.time(),
             step=step,
             loss=2.5,
-            devices=[protocol.DeviceReport(device=0, state=protocol.DeviceState.TRAINING)],
+            devices=[protocol.DeviceReport(device=device, state=protocol.DeviceState.TRAINING)],
         )
     )
 
@@ -195,7 +199,7 @@ async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:
     socket = await connect()
     await socket.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
     await said(socket)
-    await socket.send_to(heartbeat(1, step=17))
+    await socket.send_to(heartbeat(1, step=17, device=4))
     await socket.disconnect(code=1006)
     failure = await database_sync_to_async(Failure.objects.get)(job=job)
     assert (failure.kind, failure.source, failure.devices) == ("node_lost", "socket", [4, 5, 6, 7])
@@ -306,5 +310,186 @@ async def test_a_silent_node_fails_once_after_the_deadline(
     failure = await database_sync_to_async(Failure.objects.get)(job=job)
     assert (failure.kind, failure.source, failure.devices) == ("hang", "heartbeat", [0, 1, 2, 3])
     assert failure.step == 7  # the silent node's last heartbeat, though it is no longer watched
-    await socket.send_to(protocol.encode(protocol.Goodbye()))  # the host came back and left
-    assert await closed_with(socket) == 1000
+    # its socket, left open (a partition closes nothing), is closed: no second failure, and the
+    # host, back, says hello again as a new member
+    assert await closed_with(socket) == protocol.CloseCode.SILENT
+    again = await connect()
+    await again.send_to(hello(job, await database_sync_to_async(issue_agent_token)(job)))
+    assert (await said(again))["type"] == "welcome"
+    node = await database_sync_to_async(Node.objects.get)(job=job, name="node-0")
+    assert node.status == NodeStatus.HEALTHY
+    redis = liveness.client()
+    try:  # the same news late: a socket heard since stays
+        assert await hub.apublish(redis, job.pk, "node-0", {"silent_since": heard}) == 1
+        await asyncio.sleep(0.5)  # delivered meanwhile
+    finally:
+        await redis.aclose()
+    await again.send_to(protocol.encode(protocol.Goodbye()))
+    assert await closed_with(again) == 1000
+    assert await database_sync_to_async(Failure.objects.count)() == 1
+    await again.disconnect()
+
+
+# --- hostile input: bounds, devices, revocation, deadlines ------------------------------------
+
+
+async def test_a_step_out_of_range_is_refused_and_another_nodes_failure_is_still_recorded() -> None:
+    """A step past the bound (once stored, it broke every later failure's write) is refused
+    naming the field; the largest step allowed still lets another node's loss be recorded."""
+    job, token = await new_job(mode="manual")
+    first = await connect()
+    await first.send_to(hello(job, token))
+    await said(first)
+    beat = json.loads(heartbeat(1))
+    await first.send_to(json.dumps({**beat, "step": 2**63}))
+    error = await said(first)
+    assert (error["code"], error["field"]) == ("invalid", "step")
+    await first.send_to(heartbeat(2, step=protocol.MAX_STEP))
+    await beaten(job, protocol.MAX_STEP)
+    second = await connect()
+    await second.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
+    await said(second)
+    await second.disconnect(code=1006)
+    failure = await failure_of(job)
+    assert (failure.devices, failure.step) == ([4, 5, 6, 7], protocol.MAX_STEP)
+    await first.send_to(protocol.encode(protocol.Goodbye()))
+    assert await closed_with(first) == 1000
+
+
+async def test_a_fault_dated_past_year_9999_is_refused_as_invalid_and_the_socket_goes_on(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    fault = {"type": "fault", "seq": 1, "at": 1e12, "kind": "crash", "devices": [2]}
+    await socket.send_to(json.dumps(fault))
+    error = await said(socket)
+    assert (error["code"], error["field"]) == ("invalid", "at")
+    await socket.send_to(heartbeat(2, step=5))
+    await beaten(job, 5)  # the conversation goes on
+    assert not await database_sync_to_async(Failure.objects.exists)()
+
+
+async def test_a_heartbeat_about_another_nodes_devices_is_refused_and_closes(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    await socket.send_to(heartbeat(1, step=3, device=5))
+    error = await said(socket)
+    assert (error["code"], error["field"]) == ("wrong_devices", "devices")
+    assert await closed_with(socket) == 4002
+    redis = liveness.client()
+    try:
+        stored = await liveness.latest(redis, job.pk, "node-0")
+        assert stored is not None and stored["metrics"] == {}  # hello's mark, never the beat
+    finally:
+        await redis.aclose()
+
+
+@database_sync_to_async
+def admin_client() -> Client:
+    """An administrator's browser, the token list already seen once (the admin's first page is
+    slow to render: the sockets' silence deadline is a few seconds)."""
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", password=None))  # no hashing
+    assert client.get("/admin/jobs/agenttoken/").status_code == 200
+    return client
+
+
+@database_sync_to_async
+def revoke_in_the_admin(client: Client, token: str) -> int:
+    """Revoke ``token`` with the admin's action, as an administrator does; the response code."""
+    row = AgentToken.find(token)
+    assert row is not None
+    response = client.post(
+        "/admin/jobs/agenttoken/", {"action": "revoke", "_selected_action": [row.pk]}
+    )
+    return response.status_code
+
+
+async def test_revoking_a_token_closes_its_sockets_at_once_and_nothing_else() -> None:
+    job, token = await new_job(mode="manual")
+    node_token = await database_sync_to_async(issue_agent_token)(job, node="node-1")
+    browser = await admin_client()
+    kept = await connect()
+    await kept.send_to(hello(job, token))
+    await said(kept)
+    revoked = await connect()
+    await revoked.send_to(hello(job, node_token, node="node-1", devices=[4, 5, 6, 7]))
+    await said(revoked)
+    for socket, device in ((kept, 0), (revoked, 4)):  # both fresh: far from a silence deadline
+        await socket.send_to(heartbeat(1, step=7, device=device))
+    assert await revoke_in_the_admin(browser, node_token) == 302
+    error = await said(revoked)
+    assert (error["code"], error["field"]) == ("unauthorised", "token")
+    assert await closed_with(revoked) == 4001
+    # the job's other token is untouched: its socket goes on
+    await kept.send_to(heartbeat(2, step=8))
+    await beaten(job, 8)
+    # what the revoked agent sends after the close opens nothing
+    fault = protocol.Fault(seq=1, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[4])
+    await revoked.send_to(protocol.encode(fault))
+    await revoked.disconnect(code=4001)
+    failure = await failure_of(job)  # its node is lost, once
+    assert (failure.kind, failure.devices) == ("node_lost", [4, 5, 6, 7])
+    assert await database_sync_to_async(Failure.objects.count)() == 1
+    await kept.send_to(heartbeat(3, step=9))  # (far from its silence deadline)
+    # and the revoked token says hello no more
+    again = await connect()
+    await again.send_to(hello(job, node_token, node="node-1", devices=[4, 5, 6, 7]))
+    assert (await said(again))["code"] == "unauthorised"
+    assert await closed_with(again) == 4001
+    await kept.send_to(protocol.encode(protocol.Goodbye()))
+    assert await closed_with(kept) == 1000
+    for socket in (kept, again):
+        await socket.disconnect()
+    assert hub.hub().handlers == {}  # every socket gave its handler back
+
+
+async def test_a_socket_that_never_says_hello_is_closed_at_the_deadline(
+    settings: Any,
+) -> None:
+    settings.PITSTOP_HELLO_TIMEOUT_S = 0.3
+    socket = await connect()
+    started = time.monotonic()
+    error = await said(socket)
+    assert (error["type"], error["code"]) == ("error", "timeout")
+    assert await closed_with(socket) == 4002
+    assert 0.3 <= time.monotonic() - started < 5
+
+
+async def test_sockets_waiting_for_hello_are_limited_per_process(settings: Any) -> None:
+    settings.PITSTOP_MAX_WAITING_SOCKETS = 2
+    job, token = await new_job()
+    silent = [await connect(), await connect()]
+    extra = await connect()
+    assert await closed_with(extra) == protocol.CloseCode.BUSY  # closed before any frame
+    await silent[0].send_to(hello(job, token))  # one says hello: a place is free again
+    assert (await said(silent[0]))["type"] == "welcome"
+    late = await connect()
+    await late.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
+    assert (await said(late))["type"] == "welcome"
+    for socket in (silent[0], late):
+        await socket.send_to(protocol.encode(protocol.Goodbye()))
+        assert await closed_with(socket) == 1000
+    await silent[1].disconnect()
+
+
+async def test_a_fault_after_a_revocation_the_socket_has_not_heard_of_opens_nothing() -> None:
+    """The revocation's message to the sockets may be lost (Redis restarting): a fault frame
+    still finds the token revoked, and is refused without a decision."""
+    job, token = await new_job(mode="manual")
+    socket = await connect()
+    await socket.send_to(hello(job, token))
+    await said(socket)
+    await database_sync_to_async(  # revoked in the database only: no message to the socket
+        lambda: AgentToken.objects.filter(job=job).update(revoked_at=timezone.now())
+    )()
+    fault = protocol.Fault(seq=1, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[2])
+    await socket.send_to(protocol.encode(fault))
+    error = await said(socket)
+    assert (error["code"], error["field"]) == ("unauthorised", "token")
+    assert await closed_with(socket) == 4001
+    await socket.disconnect(code=4001)
+    failure = await failure_of(job)  # the node's loss, never the revoked agent's fault
+    assert (failure.source, failure.kind) == ("socket", "node_lost")
+    assert await database_sync_to_async(Failure.objects.count)() == 1

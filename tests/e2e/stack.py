@@ -56,6 +56,7 @@ class Stack:
             SECRET_KEY="drill",
             PITSTOP_HEARTBEAT_INTERVAL_S="0.5",
             PITSTOP_MISSED_BEATS="20",  # a 10 s deadline: longer than any outage here
+            PITSTOP_JOIN_DEADLINE_S="600",  # node-2 (spares) is never started here
         )
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -95,7 +96,7 @@ class Stack:
                 "--server",
                 f"ws://127.0.0.1:{self.port}",
             ),
-            *("--job", job, "--node", node, "--token", token, "--grace", "3", "--layers", "8"),
+            *("--job", job, "--node", node, "--grace", "3", "--layers", "8"),
             *("--devices", ",".join(map(str, TRAINER_NODES[node]))),
             *("--store", f"127.0.0.1:{store_port}", *serve, "--hang-floor", "3"),
             *("--", sys.executable, "-m", "worker_agent.trainer", "rank", "--plan"),
@@ -104,7 +105,8 @@ class Stack:
         ]
         log = (self.tmp / f"agent-{node}.log").open("ab")
         self.processes[f"agent-{node}"] = subprocess.Popen(
-            command, env={**self.env, "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT, stdout=log,
+            command, env={**self.env, "OMP_NUM_THREADS": "1", "PITSTOP_AGENT_TOKEN": token},
+            cwd=REPO_ROOT, stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from controlplane import settings
 from tests.processes import (
     REPO_ROOT,
     clean_environment,
@@ -46,7 +47,10 @@ def test_worker_starts_the_embedded_redis_answers_on_it_and_stops_it(tmp_path: P
         wait_until(running, timeout_s=60, what="the worker's embedded Redis")
         state = json.loads(state_path.read_text())
         url = f"redis://:{state['password']}@127.0.0.1:{state['port']}/0"
+        # the deployment's prefix (docs/operations.md): a client without it hears no worker
+        prefix = f"{settings.redis_prefix('pitstop', url)}:celery:"
         client = Celery("probe", broker=url)
+        client.conf.broker_transport_options = {"global_keyprefix": prefix}
         replies: list[dict[str, dict[str, str]]] = []
 
         def answered() -> bool:

@@ -37,10 +37,10 @@ def simulate(stack: Stack, made: dict[str, Any], node: int, scenario: Path) -> A
         [
             *(sys.executable, "-m", "worker_agent", "simulate"),
             *("--server", f"ws://127.0.0.1:{stack.port}", "--job", "drill"),
-            *("--token", made["agent_token"], "--nodes", "1", "--first-node", str(node)),
+            *("--nodes", "1", "--first-node", str(node)),
             *("--devices-per-node", "4", "--scenario", str(scenario), "--restore-s", "0.1"),
         ],
-        env=stack.env,
+        env={**stack.env, "PITSTOP_AGENT_TOKEN": made["agent_token"]},
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

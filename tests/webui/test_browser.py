@@ -108,10 +108,10 @@ def agent(stack: Stack, token: str, node: int, scenario: Path) -> subprocess.Pop
         [
             *(sys.executable, "-m", "worker_agent", "simulate"),
             *("--server", f"ws://127.0.0.1:{stack.port}", "--job", "live"),
-            *("--token", token, "--nodes", "1", "--first-node", str(node)),
+            *("--nodes", "1", "--first-node", str(node)),
             *("--devices-per-node", "4", "--scenario", str(scenario), "--restore-s", "0.1"),
         ],
-        env=stack.env,
+        env={**stack.env, "PITSTOP_AGENT_TOKEN": token},
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -169,8 +169,8 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
         ops.page.reload()
     ops.shot("jobs")
     ops.go(f"/jobs/{site.made['live']}/")
-    ops.page.wait_for_function(
-        "document.getElementById('stat-nodes').textContent === '2'"
+    ops.page.wait_for_function(  # functions, not strings: the pages' policy forbids eval
+        "() => document.getElementById('stat-nodes').textContent === '2'"
         " && Number(document.getElementById('stat-step').textContent) > 0",
         timeout=45_000,
     )
@@ -181,7 +181,8 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     site.agents[1].send_signal(signal.SIGKILL)  # its socket drops: node-1's devices 4-7 fail
     started = time.monotonic()
     ops.page.wait_for_function(
-        "document.querySelector('[data-count=\"failed\"]').textContent === '4'", timeout=5_000
+        "() => document.querySelector('[data-count=\"failed\"]').textContent === '4'",
+        timeout=5_000,
     )
     took = time.monotonic() - started
     assert took < 1.5, f"the grid showed the failure after {took:.2f} s"
@@ -328,7 +329,8 @@ def test_an_operator_injects_a_drill_from_the_job_page(site: Site) -> None:
         time.sleep(0.5)
         ops.page.reload()
     ops.page.wait_for_function(
-        f"Number(document.querySelector('[data-count=\"failed\"]').textContent) > {failed_before}",
+        "() => Number(document.querySelector('[data-count=\"failed\"]').textContent)"
+        f" > {failed_before}",
         timeout=10_000,
     )
     ops.page.locator("#drills-h").scroll_into_view_if_needed()

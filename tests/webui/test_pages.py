@@ -335,6 +335,33 @@ def test_what_if_errors_are_shown_beside_the_field() -> None:
     assert "not a device id" in text(junk)
 
 
+@pytest.mark.parametrize(
+    ("form", "said"),
+    [
+        ({"node": "²"}, "is not a node index"),  # "²".isdigit(), int() refuses it
+        ({"devices": "0-3000000"}, "<code>devices</code>: at most 65536 devices"),
+        ({"devices": "9" * 5000}, "is not a device id or a range"),
+    ],
+)
+def test_what_if_bounds_what_it_reads(form: dict[str, str], said: str) -> None:
+    job, _ = create_job("what-bounds", copy.deepcopy(SCENARIO))
+    response = client_as("viewer").post(f"/jobs/{job.pk}/what-if/", form)
+    assert response.status_code == 200 and said in text(response)  # refused before expanding
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [({"seeds": "1e400"}, "seeds"), ({"base_seed": "-1e400"}, "base_seed"),
+     ({"hours": "nan"}, "hours"), ({"spares": "²"}, "spares")],
+)  # fmt: skip
+def test_simulation_numbers_beyond_range_are_named(extra: dict[str, str], field: str) -> None:
+    job, _ = create_job("sim-range", copy.deepcopy(SCENARIO))
+    form = {"job": job.pk, "policies": ["dynamic"], "hours": "1", **extra}
+    response = client_as("operator").post("/simulations/", form)
+    assert response.status_code == 200 and f"<code>{field}</code>" in text(response)
+    assert not Sweep.objects.exists()
+
+
 # --- simulations ---------------------------------------------------------------------------
 
 

@@ -38,11 +38,13 @@ def start_agent(
     """``python -m worker_agent run`` over the toy trainer; its log in ``tmp/agent-<node>.log``,
     the commands its ranks carried out in ``tmp/toy-<node>.log``."""
     log = (tmp / f"agent-{node}.log").open("ab")
-    environment = clean_environment(TOY_LOG=str(tmp / f"toy-{node}.log"), **(env or {}))
+    environment = clean_environment(
+        TOY_LOG=str(tmp / f"toy-{node}.log"), PITSTOP_AGENT_TOKEN=token, **(env or {})
+    )
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "worker_agent", "run", "--server", server),
-            *("--job", job, "--node", node, "--token", token, "--devices", devices),
+            *("--job", job, "--node", node, "--devices", devices),
             *("--grace", "3", *options, "--", *TOY, *trainer),
         ],
         env=environment,

@@ -62,13 +62,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     agent = subprocess.Popen(
         [
             *(sys.executable, "-m", "worker_agent", "run", "--server", server.url),
-            *("--job", "j", "--node", "node-0", "--token", "t", "--devices", "0,1,2"),
+            *("--job", "j", "--node", "node-0", "--devices", "0,1,2"),
             *("--store", f"127.0.0.1:{free_port()}", "--serve-store", "--layers", "8"),
             *("--grace", "3", "--no-control", "--"),
             *(sys.executable, "-m", "worker_agent.trainer", "rank"),
             *("--plan", str(tmp / "plan.json"), "--dump", str(tmp / "dump")),
         ],
-        env=clean_environment(OMP_NUM_THREADS="1"),
+        env=clean_environment(OMP_NUM_THREADS="1", PITSTOP_AGENT_TOKEN="t"),
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@ time and reporting falling losses through ``TrainerLink``, and carries out the a
 writing each one it carries out to ``TOY_LOG`` (one line: device, command id, action).
 
     python -m tests.worker_agent.toy_trainer [--step-time S] [--refuse ACTION] [--follow D]
+        [--warm-up S]
 
 With ``--follow D`` the ranks step in lockstep with device D's rank, as ranks in one collective
 do: each waits for D's step before it takes its own, while D's process lives (files beside
@@ -85,6 +86,9 @@ def main() -> int:
         "--outlive-agent", action="store_true", help="go on training when the agent is gone"
     )
     parser.add_argument("--follow", type=int, help="step in lockstep with this device's rank")
+    parser.add_argument(
+        "--warm-up", type=float, default=0.0, help="seconds of work before the first step"
+    )
     args = parser.parse_args()
     link = TrainerLink.from_env()
     folder = Path(os.environ.get("TOY_LOG", "toy.log")).parent
@@ -92,6 +96,7 @@ def main() -> int:
         (folder / f"pid-{link.device}").write_text(str(os.getpid()))
     state, step = "training", 0
     link.set_state(state)
+    work(args.warm_up)  # groups forming, weights loading, the first step compiled
     while args.outlive_agent or not link.agent_gone:
         timeout = 0.0
         if state == "training":

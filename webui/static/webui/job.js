@@ -3,8 +3,9 @@
 "use strict";
 (function () {
   const config = JSON.parse(document.getElementById("job-config").textContent);
-  const COLOURS = { h: "#59a14f", s: "#edc948", f: "#e15759", p: "#9aa5b8", r: "#4e79a7" };
-  const NAMES = { h: "healthy", s: "suspect", f: "failed", p: "spare", r: "recovering" };
+  const COLOURS = { h: "#59a14f", s: "#edc948", f: "#e15759", p: "#9aa5b8", r: "#4e79a7", u: "#ffffff" };
+  const NAMES = { h: "healthy", s: "suspect", f: "failed", p: "spare", r: "recovering", u: "unheard" };
+  const LABELS = { ...NAMES, u: "not yet heard (its node has not said hello)" };
   const HISTORY = 600; // points per chart: five minutes at two a second
   const canvas = document.getElementById("grid");
   const info = document.getElementById("grid-info");
@@ -13,12 +14,21 @@
   let cursor = 0;
   let layout = null;
 
-  // The state shown: a failure or a spare is the database's word; a heartbeat tells the rest.
+  // Whether device i's node was still expected (no hello) when the page was drawn.
+  function expected(i) {
+    const node = config.nodes.find((n) => i >= n[1] && i < n[1] + n[2]);
+    return Boolean(node && node[3] === "expected");
+  }
+
+  // The state shown: a failure or a spare is the database's word; a heartbeat tells the rest;
+  // a device of a node expected and never heard is "not yet heard", never healthy.
   function stateOf(i) {
     const db = stored[i], beat = beats[i] || ".";
     if (db === "f" || beat === "f") return "f";
     if (beat === "r") return "r";
-    if (db === "p" || beat === "." ) return db;
+    if (beat === "." && (db === "u" || expected(i))) return "u";
+    if (db === "u") return beat === "s" ? "s" : "h";
+    if (db === "p" || beat === ".") return db;
     return beat === "s" ? "s" : db;
   }
 
@@ -51,7 +61,7 @@
     ctx.clearRect(0, 0, canvas.width, canvas.height);
     const { cell, perRow, nodeWidth } = layout;
     const gap = cell > 6 ? 1 : 0;
-    const counts = { h: 0, s: 0, f: 0, p: 0, r: 0 };
+    const counts = { h: 0, s: 0, f: 0, p: 0, r: 0, u: 0 };
     config.nodes.forEach(([, first, count], node) => {
       const x0 = (node % perRow) * nodeWidth, y0 = Math.floor(node / perRow) * (cell + 3);
       for (let k = 0; k < count; k++) {
@@ -59,6 +69,11 @@
         counts[state] += 1;
         ctx.fillStyle = COLOURS[state];
         ctx.fillRect(x0 + k * cell, y0, cell - gap, cell - gap);
+        if (state === "u") { // hollow: nothing heard from it
+          ctx.strokeStyle = "#6b7485";
+          ctx.lineWidth = 1;
+          ctx.strokeRect(x0 + k * cell + 0.5, y0 + 0.5, cell - gap - 1, cell - gap - 1);
+        }
       }
     });
     if (document.activeElement === canvas && stored.length) {
@@ -75,7 +90,7 @@
 
   function describe(device) {
     const node = config.nodes.find((n) => device >= n[1] && device < n[1] + n[2]);
-    info.textContent = `Device ${device} on ${node ? node[0] : "?"}: ${NAMES[stateOf(device)]}`;
+    info.textContent = `Device ${device} on ${node ? node[0] : "?"}: ${LABELS[stateOf(device)]}`;
   }
 
   canvas.addEventListener("mousemove", (event) => {
@@ -158,7 +173,7 @@
     status.className = `badge ${m.job_status}`;
     const d = m.decision, banner = document.getElementById("banner");
     if (d && !markers.some((x) => x.decision === d.id)) markers.push({ at: d.detected_at, label: `#${d.id} ${d.kind}`, decision: d.id });
-    const open = d && !["recovered", "failed", "superseded"].includes(d.status);
+    const open = d && !["recovered", "failed", "superseded", "dismissed"].includes(d.status);
     banner.classList.toggle("hidden", !open);
     if (open) {
       const link = config.recovery_url.replace("/0/", `/${d.id}/`);

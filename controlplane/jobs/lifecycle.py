@@ -1,0 +1,90 @@
+"""Nodes' and jobs' lifecycles: a node is expected, joins (hello), then is lost or leaves.
+
+A node is *expected* from the moment its job is created, and again from the job's first hello
+(``Node.expected_at``); its agent's hello makes it *joined* (``healthy``); it ends *failed*
+(its socket lost, its heartbeats stopped, or no hello within the join deadline:
+``never_joined``) or *left* (goodbye). A job whose joined nodes all said goodbye is
+``stopped``; one none of whose nodes was heard for longer than the join deadline is ``stale``.
+The detector's sweep (``jobs.detector``) applies the deadlines; the agent's socket
+(``streaming.agent``) reports hellos and goodbyes here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.conf import settings
+from django.db.models import Max
+from django.utils import timezone
+
+from controlplane.jobs.models import LIVE_JOB, Device, Job, JobStatus, Node, NodeStatus
+
+# A job that is no longer watched comes back to ``running`` when one of its agents says hello.
+RESUMABLE = (JobStatus.PENDING, JobStatus.STALE, JobStatus.STOPPED)
+# Nodes whose agent is connected now.
+CONNECTED = (NodeStatus.HEALTHY, NodeStatus.SUSPECT)
+
+
+def join_deadline_s() -> float:
+    return float(settings.PITSTOP_JOIN_DEADLINE_S)
+
+
+def joined(*, job_id: int, node_id: int) -> None:
+    """The node's agent said hello: the node has joined, and its job runs. The job's first
+    hello (after ``pending``, ``stale`` or ``stopped``) starts the join deadline of its nodes
+    still expected again: their agents are started with the first one, not with the job."""
+    now = timezone.now()
+    Node.objects.filter(pk=node_id).update(status=NodeStatus.HEALTHY, joined_at=now)
+    if Job.objects.filter(pk=job_id, status__in=RESUMABLE).update(status=JobStatus.RUNNING):
+        Node.objects.filter(job_id=job_id, status=NodeStatus.EXPECTED).update(expected_at=now)
+
+
+def left(*, job_id: int, node_id: int) -> bool:
+    """The node's agent said goodbye: the node has left; when no node of the job is connected
+    or still expected, the job has stopped. True when it did."""
+    Node.objects.filter(pk=node_id).update(status=NodeStatus.LEFT)
+    others = Node.objects.filter(job_id=job_id, status__in=(*CONNECTED, NodeStatus.EXPECTED))
+    if others.exists():
+        return False
+    return bool(Job.objects.filter(pk=job_id, status__in=LIVE_JOB).update(status=JobStatus.STOPPED))
+
+
+def overdue_nodes(now: dt.datetime) -> list[tuple[int, int, str]]:
+    """(job, node id, node name) of every node of a live job still expected, and expected since
+    longer than the join deadline."""
+    cutoff = now - dt.timedelta(seconds=join_deadline_s())
+    return list(
+        Node.objects.filter(
+            status=NodeStatus.EXPECTED, expected_at__lt=cutoff, job__status__in=LIVE_JOB
+        ).values_list("job_id", "pk", "name")
+    )
+
+
+def unheard_devices(job_id: int, now: dt.datetime | None = None) -> set[int]:
+    """The job's devices on nodes expected and not joined within the join deadline: no plan
+    may use them, whether or not the detector has recorded their ``never_joined`` yet."""
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=join_deadline_s())
+    return set(
+        Device.objects.filter(
+            job_id=job_id, node__status=NodeStatus.EXPECTED, node__expected_at__lt=cutoff
+        ).values_list("index", flat=True)
+    )
+
+
+def live_jobs() -> dict[int, float]:
+    """Every live job (``LIVE_JOB``): the last moment it is known to have been heard from or
+    to have begun, from the database alone (its creation, its nodes' latest hello)."""
+    rows = Job.objects.filter(status__in=LIVE_JOB).annotate(hello=Max("nodes__joined_at"))
+    return {
+        pk: max(created, hello or created).timestamp()
+        for pk, created, hello in rows.values_list("pk", "created_at", "hello")
+    }
+
+
+def mark_stale(job_ids: list[int]) -> list[int]:
+    """Those of ``job_ids`` still live become ``stale``; the ones that did."""
+    live = list(
+        Job.objects.filter(pk__in=job_ids, status__in=LIVE_JOB).values_list("pk", flat=True)
+    )
+    Job.objects.filter(pk__in=live, status__in=LIVE_JOB).update(status=JobStatus.STALE)
+    return live

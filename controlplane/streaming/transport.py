@@ -1,0 +1,35 @@
+"""Daphne's websocket transport: a connection it fails is closed with a code, never dropped.
+
+Daphne's autobahn factory fails a connection (a message over ``--websocket-max-message-size``,
+1 MiB by default, or a broken frame) by dropping its TCP connection: the agent sees a reset and
+no reason, where the protocol promises a close code (docs/protocol.md). With ``failByDrop`` off,
+autobahn sends a close frame first (1009, message too big; 1002, protocol error) and reads
+nothing more of the message. Daphne sets the factory's other options in ``Server.run`` and
+leaves this one at autobahn's default, so the factory class it builds is replaced here, before
+``Server.run`` builds it (``controlplane.asgi``, which Daphne's command line imports first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def close_failed_connections() -> None:
+    """Make Daphne's websocket factory close a failed connection with a code (idempotent; a
+    process served by another ASGI server is left alone)."""
+    try:
+        from daphne import server
+    except ImportError:
+        return
+    base: Any = server.WebSocketFactory
+    if getattr(base, "closes_failed_connections", False):
+        return
+
+    class ClosingFactory(base):
+        closes_failed_connections = True
+
+        def resetProtocolOptions(self) -> None:  # autobahn's name
+            super().resetProtocolOptions()
+            self.failByDrop = False
+
+    server.WebSocketFactory = ClosingFactory

@@ -1,0 +1,150 @@
+"""A stalled control plane does not blame the nodes: the detector holds off and records a stall
+(real agent sockets, Redis and database); a single silent node is still a failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.celery import app as celery_app
+from controlplane.incidents.models import Failure
+from controlplane.jobs import detector, liveness
+from controlplane.jobs.models import Job
+from tests.controlplane.test_lifecycle import NODES, goodbye, join, new_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def eager_planning() -> Iterator[None]:
+    celery_app.conf.task_always_eager = True
+    yield
+    celery_app.conf.task_always_eager = False
+
+
+@pytest_asyncio.fixture
+async def redis() -> AsyncIterator[Any]:
+    client = liveness.client()
+    yield client
+    await client.aclose()
+
+
+async def all_joined(redis: Any) -> tuple[Job, dict[str, WebsocketCommunicator], float]:
+    """A job whose four nodes said hello and beat; when the newest of them was heard."""
+    job, token = await new_job()
+    sockets = {node: await join(job, token, node) for node in NODES}
+    for _ in range(200):  # the writer lingers a few milliseconds before it writes
+        if await redis.zcard(liveness.seen_key(job.pk)) == len(NODES):
+            break
+        await asyncio.sleep(0.01)
+    beats = await redis.zrange(liveness.seen_key(job.pk), 0, -1, withscores=True)
+    assert len(beats) == len(NODES)
+    return job, sockets, max(at for _, at in beats)
+
+
+async def stalls(redis: Any, reason: str) -> int:
+    return int(await redis.hget(detector.STALLS_KEY, reason) or 0)
+
+
+@database_sync_to_async
+def failures(job: Job) -> list[Failure]:
+    return list(Failure.objects.filter(job=job))
+
+
+@pytest.mark.asyncio
+async def test_no_node_heard_while_several_are_watched_is_a_stall_not_a_failure(
+    redis: Any,
+) -> None:
+    job, sockets, newest = await all_joined(redis)
+    before = await stalls(redis, "none_heard")
+    # the detector's clock past the deadline of every node, the newest beat equally old: the
+    # view of a detector whose ingest stopped, not of four nodes stopping together
+    assert await detector.sweep(redis, now_s=newest + detector.deadline_s() + 1) == []
+    assert await failures(job) == []
+    assert await stalls(redis, "none_heard") == before + 1
+    assert await redis.zcard(liveness.seen_key(job.pk)) == len(NODES)  # still watched
+    text = (await database_sync_to_async(Client().get)("/metrics")).content.decode()
+    assert f'pitstop_detector_stalls_total{{reason="none_heard"}} {before + 1}.0' in text
+    for socket in sockets.values():
+        await goodbye(socket)
+
+
+@pytest.mark.asyncio
+async def test_one_silent_node_among_beating_ones_is_still_a_failure(redis: Any) -> None:
+    job, sockets, newest = await all_joined(redis)
+    now = newest + 0.5  # the others were heard within the deadline
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": now - detector.deadline_s() - 1})
+    before = await stalls(redis, "none_heard")
+    decided = await detector.sweep(redis, now_s=now)
+    assert len(decided) == 1
+    [failure] = await failures(job)
+    assert (failure.kind, failure.devices, failure.source) == ("hang", NODES["node-1"], "heartbeat")
+    assert await stalls(redis, "none_heard") == before
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
+@pytest.mark.asyncio
+async def test_a_silence_of_every_node_past_the_hold_window_is_judged(redis: Any) -> None:
+    """The hold-off does not blind the detector: all nodes silent for longer than the deadline
+    and the hold window after it are failures (a control plane stalled that long lost them)."""
+    job, sockets, newest = await all_joined(redis)
+    window_s = detector.deadline_s() * (1 + detector.STALL_HOLD_DEADLINES)
+    decided = await detector.sweep(redis, now_s=newest + window_s + 1)
+    assert decided
+    recorded = sorted(d for f in await failures(job) for d in f.devices)
+    assert recorded == sorted(d for devices in NODES.values() for d in devices)
+    for socket in sockets.values():
+        await socket.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_a_detector_that_came_late_to_its_pass_holds_it_off(redis: Any) -> None:
+    """This process's previous pass long ago (SIGSTOPped, starved of CPU): one pass is held off,
+    the next judges again."""
+    job, sockets, _ = await all_joined(redis)
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": time.time() - 60})
+    before = await stalls(redis, "detector_lag")
+    detector._last_pass_s = time.monotonic() - 10 * detector.deadline_s()
+    assert await detector.sweep(redis) == []
+    assert await failures(job) == []
+    assert await stalls(redis, "detector_lag") == before + 1
+    assert len(await detector.sweep(redis)) == 1  # the next pass, on time, finds node-1
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
+DEADLINE_S = 3.0
+
+
+@given(
+    gap=st.floats(0, 100),
+    rtt=st.floats(0, 100),
+    age=st.none() | st.floats(0, 100),
+    recent=st.integers(0, 10_000),
+)
+def test_a_pass_is_held_off_exactly_when_a_sign_of_our_own_stall_shows(
+    gap: float, rtt: float, age: float | None, recent: int
+) -> None:
+    view = detector.View(gap_s=gap, rtt_s=rtt, newest_age_s=age, recent=recent)
+    held = detector.stall(view, DEADLINE_S)
+    signs = [
+        gap > DEADLINE_S * detector.STALL_GAP_DEADLINES,
+        rtt > DEADLINE_S * detector.STALL_RTT_DEADLINES,
+        age is not None and age > DEADLINE_S and recent >= detector.STALL_MIN_WATCHED,
+    ]
+    assert (held is not None) == any(signs)
+    if held is not None:
+        assert held.reason == detector.STALL_REASONS[signs.index(True)]

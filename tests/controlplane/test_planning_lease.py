@@ -1,0 +1,95 @@
+"""A worker planning a decision holds a lease on it in Redis (``tasks.planning_lease``); a
+decision still planning whose lease lapsed lost its worker and is queued again at once
+(``tasks.requeue_orphaned``), once, and only while it is still planning."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from controlplane.celery import app as celery_app
+from controlplane.incidents import decisions, tasks
+from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.jobs import liveness
+from controlplane.jobs.models import ApprovalMode
+
+from .test_decisions import fail, new_job, reload
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def no_marks() -> Iterator[None]:
+    liveness.sync_client().delete(tasks.PLANNING_KEY)
+    yield
+    liveness.sync_client().delete(tasks.PLANNING_KEY)
+
+
+@pytest.fixture
+def eager() -> Iterator[None]:
+    """The re-queued task runs here; a real worker killed mid-plan is in
+    tests/e2e/test_orphaned_planning.py."""
+    celery_app.conf.task_always_eager = True
+    yield
+    celery_app.conf.task_always_eager = False
+
+
+def planning() -> RecoveryDecision:
+    _, decision = fail(new_job(ApprovalMode.MANUAL), 3)
+    assert decision.status == DecisionStatus.PLANNING
+    return decision
+
+
+def test_the_worker_holds_the_lease_while_it_plans_and_renews_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tasks, "PLANNING_LEASE_S", 0.4)
+    redis = liveness.sync_client()
+    key = tasks.planning_lease_key(41)
+    with tasks.planning_lease(41):
+        time.sleep(1.0)  # more than twice the lease: only the renewals keep it
+        assert redis.get(key) == f"{socket.gethostname()}:{os.getpid()}".encode()
+        assert 0 < redis.pttl(key) <= 400
+        assert redis.sismember(tasks.PLANNING_KEY, "41")
+        assert tasks.requeue_orphaned() == []  # alive: nothing to do
+    assert redis.get(key) is None and not redis.sismember(tasks.PLANNING_KEY, "41")
+
+
+def test_a_decision_whose_lease_lapsed_is_planned_again_once(eager: None) -> None:
+    decision = planning()
+    redis = liveness.sync_client()
+    # what a worker killed mid-plan leaves: the mark, and a lease that lapsed
+    redis.sadd(tasks.PLANNING_KEY, decision.pk)
+    assert tasks.requeue_orphaned() == [decision.pk]
+    assert reload(decision).status == DecisionStatus.PROPOSED
+    assert tasks.requeue_orphaned() == []  # claimed once
+    proposals = reload(decision).events.filter(kind="proposed").count()
+    assert proposals == 1
+
+
+def test_a_lapsed_lease_of_a_decision_no_longer_planning_is_only_forgotten(eager: None) -> None:
+    decision = planning()
+    decisions.plan(decision.pk)  # the worker finished, then died before it let go
+    redis = liveness.sync_client()
+    redis.sadd(tasks.PLANNING_KEY, decision.pk)
+    assert tasks.requeue_orphaned() == []
+    assert not redis.sismember(tasks.PLANNING_KEY, str(decision.pk))
+    assert reload(decision).events.filter(kind="proposed").count() == 1
+
+
+def test_a_held_lease_keeps_its_decision_from_being_queued_again(eager: None) -> None:
+    decision = planning()
+    redis = liveness.sync_client()
+    redis.set(tasks.planning_lease_key(decision.pk), "elsewhere:1", px=60_000)
+    redis.sadd(tasks.PLANNING_KEY, decision.pk)
+    try:
+        assert tasks.requeue_orphaned() == []
+        assert reload(decision).status == DecisionStatus.PLANNING
+        redis.delete(tasks.planning_lease_key(decision.pk))  # its worker died
+        assert tasks.requeue_orphaned() == [decision.pk]
+    finally:
+        redis.delete(tasks.planning_lease_key(decision.pk))
