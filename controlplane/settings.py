@@ -185,7 +185,9 @@ PITSTOP_APPLY_TIMEOUT_S: float = env.float("PITSTOP_APPLY_TIMEOUT_S", default=12
 # An agent's socket that has not said hello this many seconds after it opened is closed; a
 # server process holds at most this many such sockets at once (more are closed at once).
 PITSTOP_HELLO_TIMEOUT_S: float = env.float("PITSTOP_HELLO_TIMEOUT_S", default=5.0)
-PITSTOP_MAX_WAITING_SOCKETS: int = env.int("PITSTOP_MAX_WAITING_SOCKETS", default=256)
+# Unset, the cap is 256 or a quarter of the process's soft descriptor limit (RLIMIT_NOFILE) if
+# that is smaller (controlplane.streaming.agent.default_waiting_cap); a value given here wins.
+PITSTOP_MAX_WAITING_SOCKETS: int | None = env.int("PITSTOP_MAX_WAITING_SOCKETS", default=None)
 
 # Read by controlplane.celery through the CELERY_ namespace.
 CELERY_BROKER_URL = REDIS_URL
@@ -212,7 +214,15 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 100,
     "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
+    # per-user limits on the calls whose cost the caller controls (controlplane.api.throttles)
+    "DEFAULT_THROTTLE_CLASSES": ("controlplane.api.throttles.CostThrottle",),
 }
+# Per user, over a sliding window ("N/s", "N/min", "N/hour", "N/day"): what-if, creating jobs and
+# agent tokens, starting simulation sweeps, sending drills. One call more is a 429 (Retry-After).
+PITSTOP_API_RATE_WHATIF: str = env.str("PITSTOP_API_RATE_WHATIF", default="60/min")
+PITSTOP_API_RATE_JOBS: str = env.str("PITSTOP_API_RATE_JOBS", default="30/min")
+PITSTOP_API_RATE_SIMULATIONS: str = env.str("PITSTOP_API_RATE_SIMULATIONS", default="20/min")
+PITSTOP_API_RATE_DRILLS: str = env.str("PITSTOP_API_RATE_DRILLS", default="30/min")
 SPECTACULAR_SETTINGS = {
     "TITLE": "Pitstop control plane API",
     "DESCRIPTION": "Jobs, failures, recovery decisions and their timeline.",

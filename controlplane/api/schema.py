@@ -1,6 +1,6 @@
 """The OpenAPI schema says every status the API answers: a postprocessing hook of drf-spectacular
-adds the errors every operation can give (``controlplane.api.errors``' one shape), the views
-declare their own (409, 503)."""
+adds the errors every operation can give (``controlplane.api.errors``' one shape) and the
+Retry-After header of a 429, the views declare their own (409, 429, 503)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ INVALID = {"400": "an invalid parameter or body; `field` names it"}
 def error(description: str) -> OpenApiResponse:
     """An error response of the one shape, for a view's ``extend_schema(responses=...)``."""
     return OpenApiResponse(ErrorSerializer, description=description)
+
+
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "seconds until the call is served again",
+        "schema": {"type": "integer"},
+    }
+}
 
 
 def add_error_responses(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -55,7 +63,12 @@ def add_error_responses(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]
                 operation["responses"].setdefault(
                     code, {"description": description, "content": content}
                 )
+            if "429" in operation["responses"]:  # throttled (controlplane.api.throttles)
+                operation["responses"]["429"].setdefault("headers", RETRY_AFTER)
     return result
+
+
+THROTTLED = error("throttled: too many of these calls by this user; Retry-After says when again")
 
 
 def query(name: str, kind: type, description: str, enum: list[str] | None = None) -> Any:

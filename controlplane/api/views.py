@@ -8,7 +8,7 @@ import datetime as dt
 import io
 import json
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from django.db.models import Count, Model, Q, QuerySet
 from django.utils.dateparse import parse_datetime
@@ -25,7 +25,7 @@ from rest_framework.response import Response
 from controlplane.api import errors
 from controlplane.api import serializers as s
 from controlplane.api.roles import CanAdminister, CanOperate, CanRead, ReadOrAdminister
-from controlplane.api.schema import error, query
+from controlplane.api.schema import THROTTLED, error, query
 from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import (
@@ -161,6 +161,12 @@ class JobViewSet(
     """Jobs; an admin creates one from a scenario and gets its agent token, shown once."""
 
     permission_classes = (ReadOrAdminister,)
+    throttle_scopes: ClassVar[dict[str, str]] = {
+        "create": "jobs",
+        "tokens": "jobs",
+        "what_if": "whatif",
+        "drills": "drills",
+    }
 
     def get_queryset(self) -> QuerySet[Job]:
         counts = {
@@ -174,7 +180,7 @@ class JobViewSet(
             return s.JobCreateSerializer
         return s.JobDetailSerializer if self.action == "retrieve" else s.JobSerializer
 
-    @extend_schema(request=s.JobCreateSerializer, responses={201: dict})
+    @extend_schema(request=s.JobCreateSerializer, responses={201: dict, 429: THROTTLED})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         given = s.JobCreateSerializer(data=request.data)
         given.is_valid(raise_exception=True)
@@ -182,7 +188,7 @@ class JobViewSet(
         shown = s.JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data
         return Response({"job": shown, "agent_token": token}, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=s.AgentTokenSerializer, responses={201: dict})
+    @extend_schema(request=s.AgentTokenSerializer, responses={201: dict, 429: THROTTLED})
     @action(detail=True, methods=["post"], permission_classes=[CanAdminister])
     def tokens(self, request: Request, pk: str | None = None) -> Response:
         """Another agent token for the job, for one node (``node``) or any of its nodes; the
@@ -194,7 +200,7 @@ class JobViewSet(
         token = issue_agent_token(job, node=node)
         return Response({"job": job.pk, "node": node, "agent_token": token}, status=201)
 
-    @extend_schema(request=s.WhatIfSerializer, responses={200: dict})
+    @extend_schema(request=s.WhatIfSerializer, responses={200: dict, 429: THROTTLED})
     @action(detail=True, methods=["post"], url_path="what-if", permission_classes=[CanRead])
     def what_if(self, request: Request, pk: str | None = None) -> Response:
         """What every enabled policy would do if these devices failed now; nothing is written."""
@@ -224,6 +230,7 @@ class JobViewSet(
             202: s.DrillSerializer,
             409: error("node_not_connected: the node's agent is not connected"),
             503: error("not_sent: Redis cannot be reached"),
+            429: THROTTLED,
         },
     )
     @extend_schema(methods=["GET"], responses={200: s.DrillSerializer(many=True)})
@@ -481,6 +488,7 @@ class SweepViewSet(
     tasks; operators start one and watch ``progress``, the summary comes when it is done."""
 
     queryset = Sweep.objects.order_by("-created_at", "-pk")
+    throttle_scopes: ClassVar[dict[str, str]] = {"create": "simulations"}
 
     def get_permissions(self) -> list[Any]:
         return [CanOperate() if self.action == "create" else CanRead()]
@@ -490,7 +498,9 @@ class SweepViewSet(
             return s.SweepCreateSerializer
         return s.SweepDetailSerializer if self.action == "retrieve" else s.SweepSerializer
 
-    @extend_schema(request=s.SweepCreateSerializer, responses={202: s.SweepDetailSerializer})
+    @extend_schema(
+        request=s.SweepCreateSerializer, responses={202: s.SweepDetailSerializer, 429: THROTTLED}
+    )
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         given = s.SweepCreateSerializer(data=request.data)
         given.is_valid(raise_exception=True)

@@ -16,8 +16,9 @@ left open and unheard since (``CloseCode.SILENT``, no second failure): its agent
 again, as a new member, when the link is back.
 
 A socket must say hello within ``PITSTOP_HELLO_TIMEOUT_S``, and a process holds at most
-``PITSTOP_MAX_WAITING_SOCKETS`` sockets that have not: more are closed at once (``BUSY``), so
-silent sockets cannot use up the descriptors that agents and ``/healthz`` need. Whichever way a
+``PITSTOP_MAX_WAITING_SOCKETS`` sockets that have not (unset: 256, or a quarter of its soft
+descriptor limit if less): more are closed at once (``BUSY``), so silent sockets cannot use up
+the descriptors that agents and ``/healthz`` need. Whichever way a
 connection ends (a close by either side, a frame after the server's close, an error, the server
 cancelling it), ``release`` gives the node back once and records its loss once.
 """
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import resource
 import time
 import uuid
 import weakref
@@ -91,6 +93,28 @@ _waiting: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[str]] = (
 def waiting() -> set[str]:
     """The ids of this event loop's sockets that have not said hello."""
     return _waiting.setdefault(asyncio.get_running_loop(), set())
+
+
+# At most this many sockets waiting for hello, and never more than a quarter of the descriptors.
+WAITING_CAP = 256
+
+
+def default_waiting_cap(soft_nofile: int) -> int:
+    """The cap on sockets waiting for hello when ``PITSTOP_MAX_WAITING_SOCKETS`` is not set:
+    256, or a quarter of the soft descriptor limit if that is smaller (at least 1), so that
+    silent sockets leave three quarters to agents that said hello, ``/healthz``, the database
+    and Redis. A negative limit (``RLIM_INFINITY``) is no limit."""
+    if soft_nofile < 0:
+        return WAITING_CAP
+    return max(1, min(WAITING_CAP, soft_nofile // 4))
+
+
+def waiting_cap() -> int:
+    """The setting if given, else the default for this process's descriptor limit now."""
+    given: int | None = settings.PITSTOP_MAX_WAITING_SOCKETS
+    if given is not None:
+        return given
+    return default_waiting_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def _revoked(token_id: int) -> bool:
@@ -255,7 +279,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.id = uuid.uuid4().hex
         self.awaited: dict[str, Awaited] = {}
         await self.accept()
-        if len(waiting()) >= settings.PITSTOP_MAX_WAITING_SOCKETS:
+        if len(waiting()) >= waiting_cap():
             log.warning("agent.busy", waiting=len(waiting()))
             await self.shut(int(protocol.CloseCode.BUSY))
             return

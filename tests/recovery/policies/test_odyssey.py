@@ -211,5 +211,6 @@ def test_failure_kind_values_match_design() -> None:
         "nan",
         "link",
         "node_lost",
+        "never_joined",
     }
     assert Failure(kind=FailureKind.CRASH, devices=frozenset({1})).detected_by == "scenario"
