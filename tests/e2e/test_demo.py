@@ -37,6 +37,21 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def stop(demo: subprocess.Popen[bytes]) -> None:
+    """Stop a demo a failed test left running: SIGTERM, which stops what it started, then
+    SIGKILL for it and every process under it, so that nothing outlives the test."""
+    if demo.poll() is not None:
+        return
+    demo.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        demo.wait(timeout=60)
+        return
+    for pid in [demo.pid, *descendants(demo.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    demo.wait()
+
+
 def tokens_on_command_lines(pids: set[int]) -> list[str]:
     """The command lines among ``pids``' that show an agent token (as ``ps`` would)."""
     token = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{20,}")
@@ -82,9 +97,7 @@ def test_the_demo_trains_and_sigterm_leaves_nothing_running(tmp_path: Path) -> N
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=90) == 0, out.read_text()
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+        stop(demo)
     time.sleep(0.5)
     assert [pid for pid in seen if process_exists(pid)] == [], out.read_text()
     assert "nothing left running" in out.read_text()
@@ -223,9 +236,7 @@ def test_every_round_of_the_demo_recovers_both_jobs_and_keeps_the_operator_logge
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=90) == 0, out.read_text()
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+        stop(demo)
 
 
 def test_the_rounds_judge_wants_each_failure_recovered_before_the_next() -> None:
