@@ -219,10 +219,28 @@ REST_FRAMEWORK = {
 }
 # Per user, over a sliding window ("N/s", "N/min", "N/hour", "N/day"): what-if, creating jobs and
 # agent tokens, starting simulation sweeps, sending drills. One call more is a 429 (Retry-After).
-PITSTOP_API_RATE_WHATIF: str = env.str("PITSTOP_API_RATE_WHATIF", default="60/min")
-PITSTOP_API_RATE_JOBS: str = env.str("PITSTOP_API_RATE_JOBS", default="30/min")
-PITSTOP_API_RATE_SIMULATIONS: str = env.str("PITSTOP_API_RATE_SIMULATIONS", default="20/min")
-PITSTOP_API_RATE_DRILLS: str = env.str("PITSTOP_API_RATE_DRILLS", default="30/min")
+
+
+def api_rate(variable: str, value: str) -> str:
+    """``value`` if it is a rate DRF reads ("N/s", "N/min", "N/hour", "N/day", N ≥ 1), else an
+    error naming ``variable`` at start rather than a 500 on the first throttled call."""
+    if not re.fullmatch(r"[1-9][0-9]{0,8}/(s|sec|second|m|min|minute|h|hour|d|day)", value):
+        raise ImproperlyConfigured(f'{variable}={value!r}: a rate such as "60/min" or "1000/day"')
+    return value
+
+
+PITSTOP_API_RATE_WHATIF = api_rate(
+    "PITSTOP_API_RATE_WHATIF", env.str("PITSTOP_API_RATE_WHATIF", default="60/min")
+)
+PITSTOP_API_RATE_JOBS = api_rate(
+    "PITSTOP_API_RATE_JOBS", env.str("PITSTOP_API_RATE_JOBS", default="30/min")
+)
+PITSTOP_API_RATE_SIMULATIONS = api_rate(
+    "PITSTOP_API_RATE_SIMULATIONS", env.str("PITSTOP_API_RATE_SIMULATIONS", default="20/min")
+)
+PITSTOP_API_RATE_DRILLS = api_rate(
+    "PITSTOP_API_RATE_DRILLS", env.str("PITSTOP_API_RATE_DRILLS", default="30/min")
+)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Pitstop control plane API",
     "DESCRIPTION": "Jobs, failures, recovery decisions and their timeline.",

@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 from django.core.cache import cache
+from django.core.exceptions import ImproperlyConfigured
 from django.test import Client, override_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controlplane import settings as settings_module
 from controlplane.streaming.agent import WAITING_CAP, default_waiting_cap, waiting_cap
 from tests.controlplane.test_api import post, proposed, user
 
@@ -102,3 +104,21 @@ def test_the_cap_follows_this_process_limit_unless_the_setting_is_given() -> Non
         assert waiting_cap() == default_waiting_cap(soft)
     with override_settings(PITSTOP_MAX_WAITING_SOCKETS=7):
         assert waiting_cap() == 7
+
+
+@given(
+    count=st.integers(min_value=1, max_value=10**9 - 1),
+    period=st.sampled_from(["s", "sec", "second", "m", "min", "minute", "h", "hour", "d", "day"]),
+)
+def test_every_rate_drf_reads_is_taken_as_written(count: int, period: str) -> None:
+    rate = f"{count}/{period}"
+    assert settings_module.api_rate("PITSTOP_API_RATE_WHATIF", rate) == rate
+
+
+UNREADABLE_RATES = ["lots", "0/min", "60", "60/", "/min", "-1/min", "60/week", "6 0/m"]
+
+
+@pytest.mark.parametrize("rate", UNREADABLE_RATES)
+def test_a_rate_drf_cannot_read_stops_the_start_naming_its_variable(rate: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match="PITSTOP_API_RATE_DRILLS"):
+        settings_module.api_rate("PITSTOP_API_RATE_DRILLS", rate)
