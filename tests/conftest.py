@@ -1,0 +1,28 @@
+"""Fixtures every test directory shares."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left_from_earlier_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test with the database starts with no node watched in Redis. The database is emptied
+    between tests and job ids come back, but Redis keeps what an earlier test's agents left:
+    job 1's node-0 would be connected, its old heartbeats in job 1's live picture."""
+    uses_db = request.node.get_closest_marker("django_db") is not None or any(
+        name in request.fixturenames for name in ("db", "transactional_db", "live_server")
+    )
+    if uses_db:
+        from redis.exceptions import RedisError
+
+        from controlplane.jobs import liveness
+
+        with contextlib.suppress(RedisError, OSError):
+            redis = liveness.sync_client()
+            stale = [liveness.JOBS_KEY, *redis.scan_iter(f"{liveness.PREFIX}:job:*", count=1000)]
+            redis.delete(*stale)
+    yield
