@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +28,24 @@ def no_watch_left_from_earlier_tests(request: pytest.FixtureRequest) -> Iterator
             stale = [liveness.JOBS_KEY, *redis.scan_iter(f"{liveness.PREFIX}:job:*", count=1000)]
             redis.delete(*stale)
     yield
+
+
+@pytest.fixture
+def eager_planning() -> Iterator[None]:
+    """Celery tasks (planning among them) run in this process, at once: for tests whose point
+    is what calls them, not the worker (the worker's own tests run a real one)."""
+    from controlplane.celery import app
+
+    app.conf.task_always_eager = True
+    yield
+    app.conf.task_always_eager = False
+
+
+@pytest_asyncio.fixture
+async def redis() -> AsyncIterator[Any]:
+    """An asyncio client of the control plane's Redis (``liveness.client``), closed after."""
+    from controlplane.jobs import liveness
+
+    client = liveness.client()
+    yield client
+    await client.aclose()

@@ -15,7 +15,6 @@ from django.db.models import (
     Count,
     Exists,
     OuterRef,
-    Q,
     QuerySet,
     Subquery,
     Value,
@@ -24,6 +23,7 @@ from django.db.models import (
 from django.db.models.fields.json import KT
 
 from controlplane.incidents.models import OPEN, DecisionStatus, RecoveryDecision
+from controlplane.jobs import lifecycle
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
 
 # One letter a device in the grid's state strings (the browser's job.js reads the same).
@@ -65,17 +65,13 @@ def _chosen_policy() -> Case:
 def jobs_overview() -> QuerySet[Job]:
     """Every job with its devices by state, its current policy and its open decision, in one
     query."""
-    counts = {
-        f"devices_{state}": Count("devices", filter=Q(devices__state=state))
-        for state in DeviceState.values
-    }
     decisions = RecoveryDecision.objects.filter(job=OuterRef("pk"))
     current = decisions.filter(status__in=CHOSEN).order_by("-created_at", "-pk")
     open_ = decisions.filter(status__in=OPEN).order_by("-created_at", "-pk")
     return (
         Job.objects.defer(*heavy())
         .annotate(
-            **counts,
+            **lifecycle.device_counts(),
             policy=Subquery(current.annotate(policy=_chosen_policy()).values("policy")[:1]),
             open_decision=Subquery(open_.values("pk")[:1]),
             open_status=Subquery(open_.values("status")[:1]),

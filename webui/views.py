@@ -30,6 +30,7 @@ from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
 from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import Device, Job, JobStatus, Node, heavy
 from controlplane.simulations import sweeps
@@ -299,7 +300,12 @@ def recovery_dismiss(request: HttpRequest, pk: int) -> HttpResponse:
     decision = _recovery(pk)
     reason = request.POST.get("reason", "")
     try:
-        decisions.dismiss(decision.pk, user=request.user, reason=reason)  # type: ignore[arg-type]
+        decisions.dismiss(
+            decision.pk,
+            user=request.user,  # type: ignore[arg-type]
+            reason=reason,
+            plan=enqueue_planning,
+        )
     except rows.RecoveryError as exc:
         message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
         context = {**recovery_context(_recovery(pk)), "dismiss_error": message}

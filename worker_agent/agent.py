@@ -19,6 +19,9 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
   ``straggler_steps`` steps in a row (``straggler``); a dead or hung rank also sets
   ``<generation>abort`` in the job's store so the other ranks leave their collectives, and a
   hung rank is killed;
+- once its ranks carried out an ``apply_plan`` of a new decision, the generation it superseded
+  is aborted in the store too (*fenced*): a rank the control plane no longer hears (its node
+  cut off) leaves it and idles instead of training on under the old plan;
 - every command carried out once per id by the ranks it concerns, acknowledged when they all
   said ``done`` (and again each time it is sent again); refused with an ``invalid`` error when
   its action is unknown, its plan does not hold together, a stage of its plan mixes this
@@ -132,6 +135,7 @@ class Pending:
     waiting: set[int]
     errors: list[tuple[int, link.LinkError]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
+    superseded: str | None = None  # an apply_plan's previous generation, fenced once applied
 
 
 class Store:
@@ -615,15 +619,16 @@ class Agent:
         if command.inject is not None:  # a drill: done here, at once, and acknowledged
             self._inject_for(command.id, command.inject)
             return
+        superseded = None
         if command.action is protocol.Action.APPLY_PLAN:
-            if command.decision is not None:
-                self.generation = f"d{command.decision}/"
+            if command.decision is not None and f"d{command.decision}/" != self.generation:
+                superseded, self.generation = self.generation, f"d{command.decision}/"
             plan = command.plan or {}
             self.plan_devices = {
                 d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]
             }
         targets = [r for r in self.ranks.values() if r.alive]
-        pending = Pending(command, {r.device for r in targets})
+        pending = Pending(command, {r.device for r in targets}, superseded=superseded)
         self.pending[command.id] = pending
         message = link.CommandMessage(
             id=command.id,
@@ -711,6 +716,20 @@ class Agent:
         )
         if command.action is protocol.Action.STOP and ack.ok:
             self.finish.set()
+        if pending.superseded is not None and ack.ok and self.store is not None:
+            self._fence(self.store, pending.superseded)
+
+    def _fence(self, store: Store, superseded: str) -> None:
+        """This node's ranks train under the new generation: abort the one it superseded, so
+        that any rank still in it leaves and idles, waiting for a plan. Such a rank is one the
+        control plane no longer hears (its node was cut off, or failed by the deadline while it
+        still reaches the store): it never trains again under the old plan, and when its agent
+        says hello again it is a new member, given a plan only by a new decision."""
+        value = json.dumps(
+            {"node": self.settings.node, "superseded_by": self.generation, "at": time.time()}
+        )
+        log.info("generation %s superseded by %s: fenced", superseded, self.generation)
+        self._spawn(store.set(f"{superseded}abort", value))
 
     # --- injections (worker_agent.faults) ---
 

@@ -33,10 +33,11 @@ class JobSerializer(serializers.ModelSerializer):
         read_only_fields: tuple[str, ...] = fields
 
     def get_devices(self, job: Job) -> dict[str, int]:
-        # annotated by the view in one query (JobViewSet.get_queryset)
+        # annotated by the view in one query (JobViewSet.get_queryset); ``unheard``: devices of
+        # nodes expected and not yet joined, counted under no other state
         return {
             state: getattr(job, f"devices_{state}", 0)
-            for state in ("healthy", "suspect", "failed", "spare", "recovering")
+            for state in ("healthy", "suspect", "failed", "spare", "recovering", "unheard")
         }
 
 

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
-from django.db.models import Count, Model, Q, QuerySet
+from django.db.models import Model, QuerySet
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from redis.exceptions import RedisError
@@ -35,7 +35,8 @@ from controlplane.incidents.models import (
     RecoveryDecision,
     TimelineEvent,
 )
-from controlplane.jobs import liveness, snapshot
+from controlplane.incidents.tasks import enqueue_planning
+from controlplane.jobs import lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
 from controlplane.jobs.services import create_job, issue_agent_token
 from controlplane.simulations import sweeps
@@ -169,11 +170,7 @@ class JobViewSet(
     }
 
     def get_queryset(self) -> QuerySet[Job]:
-        counts = {
-            f"devices_{state}": Count("devices", filter=Q(devices__state=state))
-            for state in DeviceState.values
-        }
-        return Job.objects.annotate(**counts).order_by("-created_at")
+        return Job.objects.annotate(**lifecycle.device_counts()).order_by("-created_at")
 
     def get_serializer_class(self) -> type[Any]:
         if self.action == "create":
@@ -456,7 +453,12 @@ class RecoveryViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
         decision = self.get_object()
         given = s.DismissSerializer(data=request.data)
         given.is_valid(raise_exception=True)
-        decisions.dismiss(decision.pk, user=request.user, **given.validated_data)  # type: ignore[arg-type]
+        decisions.dismiss(
+            decision.pk,
+            user=request.user,  # type: ignore[arg-type]
+            plan=enqueue_planning,
+            **given.validated_data,
+        )
         return Response(s.RecoverySerializer(self.get_queryset().get(pk=decision.pk)).data)
 
     @extend_schema(responses={200: s.TimelineEventSerializer(many=True)}, parameters=TIME_FILTERS)

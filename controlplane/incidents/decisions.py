@@ -126,32 +126,13 @@ def record_failure(
                     step=step,
                 )
             return failure, open_decision
-        failure = Failure.objects.create(
-            job=job,
-            node=node,
-            kind=kind,
-            devices=devices,
-            source=source,
-            occurred_at=min(occurred_at, now),
-            detected_at=now,
-            message=message,
-            step=step,
+        failure = _new_failure(
+            job, kind, devices, source, occurred_at, now, node=node, message=message, step=step
         )
         if open_decision is not None:
             transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
         decision = RecoveryDecision.objects.create(job=job, failure=failure)
-        record(
-            job,
-            EventKind.FAILURE_DETECTED,
-            actor=source,
-            decision=decision,
-            failure=failure,
-            at=now,
-            failure_kind=kind,
-            devices=devices,
-            detection_latency_s=failure.detection_latency_s,
-            step=step,
-        )
+        _detected(failure, decision)
         record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure)
         if open_decision is not None:
             RecoveryDecision.objects.filter(pk=open_decision.pk).update(superseded_by=decision)
@@ -187,30 +168,49 @@ def record_idle_failure(
     now = timezone.now()
     with transaction.atomic():
         Device.objects.filter(job=job, index__in=devices).update(state=DeviceState.FAILED)
-        failure = Failure.objects.create(
-            job=job,
-            node=node,
-            kind=kind,
-            devices=devices,
-            source=source,
-            occurred_at=min(occurred_at, now),
-            detected_at=now,
-            message=message,
-            step=step,
+        failure = _new_failure(
+            job, kind, devices, source, occurred_at, now, node=node, message=message, step=step
         )
-        record(
-            job,
-            EventKind.FAILURE_DETECTED,
-            actor=source,
-            failure=failure,
-            at=now,
-            failure_kind=kind,
-            devices=devices,
-            detection_latency_s=failure.detection_latency_s,
-            step=step,
-        )
+        _detected(failure, None)
     log.info("failure.recorded_idle", job=job.pk, failure=failure.pk, kind=kind, devices=devices)
     return failure
+
+
+def _new_failure(
+    job: Job,
+    kind: str,
+    devices: list[int],
+    source: str,
+    occurred_at: dt.datetime,
+    now: dt.datetime,
+    **more: Any,
+) -> Failure:
+    """A failure detected ``now`` (``occurred_at`` no later); ``more``: node, message, step."""
+    return Failure.objects.create(
+        job=job,
+        kind=kind,
+        devices=devices,
+        source=source,
+        occurred_at=min(occurred_at, now),
+        detected_at=now,
+        **more,
+    )
+
+
+def _detected(failure: Failure, decision: RecoveryDecision | None) -> None:
+    """The failure's ``failure_detected`` event on its job's timeline."""
+    record(
+        failure.job,
+        EventKind.FAILURE_DETECTED,
+        actor=failure.source,
+        decision=decision,
+        failure=failure,
+        at=failure.detected_at,
+        failure_kind=failure.kind,
+        devices=failure.devices,
+        detection_latency_s=failure.detection_latency_s,
+        step=failure.step,
+    )
 
 
 def _latency(occurred_at: dt.datetime, detected_at: dt.datetime) -> float:
@@ -387,12 +387,24 @@ def override(
     )
 
 
-def dismiss(decision_id: int, *, user: AbstractBaseUser, reason: str) -> RecoveryDecision:
+def dismiss(
+    decision_id: int,
+    *,
+    user: AbstractBaseUser,
+    reason: str,
+    plan: Callable[[int], None] | None = None,
+) -> RecoveryDecision:
     """An operator calls the failure a false alarm (a stalled control plane, a slow node): the
     decision ends ``dismissed`` with no plan applied, and the failure's devices are back in
     service (in the plan: healthy, else spare), each with its node healthy again, where that
     node's agent is heard now; the devices of a node not heard within the heartbeat deadline
-    stay failed. ``reason`` is required (``rows.InvalidScenario`` naming it)."""
+    stay failed. ``reason`` is required (``rows.InvalidScenario`` naming it).
+
+    Only the dismissed failure is undone: a failure the decision took over (it superseded an
+    earlier decision) is not a false alarm for that. When devices of the plan are still down
+    after it, a new decision for the latest such failure plans around them (``plan`` is called
+    with its id after the commit), so the job never waits in ``recovering`` with nothing
+    planning."""
     if not reason.strip():
         raise rows.InvalidScenario("say why the failure is a false alarm", field="reason")
     job_id = RecoveryDecision.objects.values_list("job_id", flat=True).get(pk=decision_id)
@@ -427,12 +439,40 @@ def dismiss(decision_id: int, *, user: AbstractBaseUser, reason: str) -> Recover
         still_down = Device.objects.filter(
             job_id=job_id, index__in=used, state=DeviceState.FAILED
         ).exists()
-        if not still_down:  # else a failure this decision took over still waits for a plan
+        if not still_down:
             Job.objects.filter(pk=job_id, status=JobStatus.RECOVERING).update(
                 status=JobStatus.RUNNING
             )
+        else:
+            _replan_taken_over(decision, plan)
     log.info("decision.dismissed", decision=decision_id, job=job_id, back=back, down=down)
     return decision
+
+
+def _replan_taken_over(dismissed: RecoveryDecision, plan: Callable[[int], None] | None) -> None:
+    """Open a decision for the latest failure ``dismissed`` took over, if any (it superseded
+    that failure's decision); planning reads every device down when it runs."""
+    earlier = (
+        RecoveryDecision.objects.select_related("failure")
+        .filter(superseded_by=dismissed)
+        .order_by("-created_at", "-pk")
+        .first()
+    )
+    if earlier is None:
+        return
+    job, failure = dismissed.job, earlier.failure
+    decision = RecoveryDecision.objects.create(job=job, failure=failure)
+    record(
+        job,
+        EventKind.PLANNING_STARTED,
+        actor="system",
+        decision=decision,
+        failure=failure,
+        replans_after=dismissed.pk,
+    )
+    log.info("decision.replanned", decision=decision.pk, failure=failure.pk, after=dismissed.pk)
+    if plan is not None:
+        transaction.on_commit(lambda: plan(decision.pk))
 
 
 def _heard_nodes(job_id: int) -> set[str]:

@@ -14,10 +14,18 @@ from __future__ import annotations
 import datetime as dt
 
 from django.conf import settings
-from django.db.models import Max
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 
-from controlplane.jobs.models import LIVE_JOB, Device, Job, JobStatus, Node, NodeStatus
+from controlplane.jobs.models import (
+    LIVE_JOB,
+    Device,
+    DeviceState,
+    Job,
+    JobStatus,
+    Node,
+    NodeStatus,
+)
 
 # A job that is no longer watched comes back to ``running`` when one of its agents says hello.
 RESUMABLE = (JobStatus.PENDING, JobStatus.STALE, JobStatus.STOPPED)
@@ -69,6 +77,21 @@ def unheard_devices(job_id: int, now: dt.datetime | None = None) -> set[int]:
             job_id=job_id, node__status=NodeStatus.EXPECTED, node__expected_at__lt=cutoff
         ).values_list("index", flat=True)
     )
+
+
+# A device not failed on a node still expected has not been heard: it counts as ``unheard``,
+# whatever its row's state (a new job's spares included).
+UNHEARD = Q(devices__node__status=NodeStatus.EXPECTED) & ~Q(devices__state=DeviceState.FAILED)
+
+
+def device_counts() -> dict[str, Count]:
+    """Annotations for a ``Job`` queryset: ``devices_<state>`` for every device state and
+    ``devices_unheard``; each device counts once, an unheard one only as ``unheard``."""
+    counts = {
+        f"devices_{state}": Count("devices", filter=Q(devices__state=state) & ~UNHEARD)
+        for state in DeviceState.values
+    }
+    return {**counts, "devices_unheard": Count("devices", filter=UNHEARD)}
 
 
 def live_jobs() -> dict[int, float]:

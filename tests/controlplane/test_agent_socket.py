@@ -7,7 +7,7 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from django.test import Client
 from django.utils import timezone
 
 from controlplane.asgi import application
-from controlplane.celery import app as celery_app
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs import detector, liveness
 from controlplane.jobs.models import AgentToken, Job, JobStatus, Node, NodeStatus
@@ -28,20 +27,16 @@ from controlplane.jobs.services import create_job, issue_agent_token
 from controlplane.streaming import hub
 from worker_agent import protocol
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.asyncio,
+    pytest.mark.usefixtures("eager_planning"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = json.loads((ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json").read_text())
 SCENARIO["failed"] = []
 SCENARIO["cluster"]["devices_per_node"] = 4  # node-0: devices 0-3, node-1: devices 4-7
-
-
-@pytest.fixture(autouse=True)
-def eager_planning() -> Iterator[None]:
-    """Planning runs in this process: the point here is the socket, not the worker."""
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
 
 
 @database_sync_to_async

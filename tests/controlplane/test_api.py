@@ -19,7 +19,8 @@ from rest_framework.authtoken.models import Token
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import DecisionStatus, FailureSource, RecoveryDecision
-from controlplane.jobs.models import AgentToken, Job
+from controlplane.jobs import lifecycle
+from controlplane.jobs.models import AgentToken, Device, DeviceState, Job, Node
 from controlplane.jobs.services import create_job
 from controlplane.recovery import policies
 from worker_agent import agent
@@ -87,8 +88,34 @@ def test_only_admins_create_jobs_and_the_token_is_shown_once(role: str, code: in
     assert response.status_code == code
     if code == 201:
         body = response.json()
-        assert body["agent_token"] and body["job"]["devices"]["spare"] == 2
+        assert body["agent_token"] and body["job"]["devices"]["spare"] == 0
+        # no node has said hello yet: every device, the two spares included, is not yet heard
+        devices = SCENARIO["cluster"]["devices"] + SCENARIO["cluster"]["spares"]
+        assert body["job"]["devices"]["unheard"] == devices
         assert body["agent_token"] not in json.dumps(client.get("/api/v1/jobs/").json())
+
+
+def test_device_counts_keep_the_devices_of_nodes_not_yet_heard_apart() -> None:
+    job, _ = create_job("counts", copy.deepcopy(SCENARIO))
+    nodes = list(Node.objects.filter(job=job).order_by("index"))
+    lifecycle.joined(job_id=job.pk, node_id=nodes[0].pk)
+    # a device failed on a node never heard counts as failed, not as unheard
+    failed = Device.objects.filter(node=nodes[1]).order_by("index").first()
+    assert failed is not None
+    Device.objects.filter(pk=failed.pk).update(state=DeviceState.FAILED)
+    per_node = SCENARIO["cluster"]["devices_per_node"]
+    spares = SCENARIO["cluster"]["spares"]
+    total = SCENARIO["cluster"]["devices"] + spares
+    counts = client_as("viewer").get(f"/api/v1/jobs/{job.pk}/").json()["devices"]
+    # node-0 joined: its devices are healthy (the spares sit on the last nodes, never heard)
+    assert counts == {
+        "healthy": per_node,
+        "suspect": 0,
+        "failed": 1,
+        "spare": 0,
+        "recovering": 0,
+        "unheard": total - per_node - 1,
+    }
 
 
 @pytest.mark.parametrize(("role", "code"), [("viewer", 403), ("operator", 200)])

@@ -18,13 +18,16 @@ from tests.controlplane.test_applying import (
     NODES,
     SCENARIO,
     Agent,
-    eager_planning,  # noqa: F401  (autouse: planning runs in the test's process)
     eventually,
     kinds,
     latest,
 )
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.asyncio,
+    pytest.mark.usefixtures("eager_planning"),  # planning runs in the test's process
+]
 
 SPARES = ("node-2", [8, 9])  # two spares, on a node of their own (4 devices a node)
 

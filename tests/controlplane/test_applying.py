@@ -11,7 +11,7 @@ import datetime as dt
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.views import phases
 from controlplane.asgi import application
-from controlplane.celery import app as celery_app
 from controlplane.incidents import applying
 from controlplane.incidents.models import (
     AgentCommand,
@@ -38,20 +37,17 @@ from controlplane.jobs.models import Device, DeviceState, Job, JobStatus
 from controlplane.jobs.services import create_job
 from worker_agent import protocol
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.asyncio,
+    pytest.mark.usefixtures("eager_planning"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = json.loads((ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json").read_text())
 SCENARIO["failed"] = []
 SCENARIO["cluster"]["devices_per_node"] = 4  # node-0: 0-3, node-1: 4-7, node-2: spares 8-9
 NODES = {"node-0": [0, 1, 2, 3], "node-1": [4, 5, 6, 7]}
-
-
-@pytest.fixture(autouse=True)
-def eager_planning() -> Iterator[None]:
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
 
 
 class Agent:

@@ -5,38 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.celery import app as celery_app
 from controlplane.incidents.models import Failure
 from controlplane.jobs import detector, liveness
 from controlplane.jobs.models import Job
 from tests.controlplane.test_lifecycle import NODES, goodbye, join, new_job
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def eager_planning() -> Iterator[None]:
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
-
-
-@pytest_asyncio.fixture
-async def redis() -> AsyncIterator[Any]:
-    client = liveness.client()
-    yield client
-    await client.aclose()
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("eager_planning")]
 
 
 async def all_joined(redis: Any) -> tuple[Job, dict[str, WebsocketCommunicator], float]:

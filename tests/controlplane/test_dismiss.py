@@ -4,10 +4,12 @@ ends the decision ``dismissed`` on its timeline and puts the devices back withou
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from django.test import Client
 
+from controlplane.api import views as api_views
 from controlplane.incidents import decisions
 from controlplane.incidents.models import (
     AgentCommand,
@@ -64,6 +66,7 @@ def test_only_operators_dismiss_and_the_devices_come_back_without_a_recovery(
     body = response.json()
     assert (body["status"], body["reason"]) == ("dismissed", "the control plane stalled")
     assert after.job.status == JobStatus.RUNNING
+    assert RecoveryDecision.objects.filter(job=decision.job).count() == 1  # nothing re-planned
     assert (device.state, node.status) == (DeviceState.HEALTHY, NodeStatus.HEALTHY)
     assert not AgentCommand.objects.filter(decision=after).exists()  # nothing applied
     event = after.events.get(kind=EventKind.DISMISSED)
@@ -100,9 +103,14 @@ def test_a_decision_being_applied_cannot_be_dismissed() -> None:
     assert not RecoveryDecision.objects.get(pk=decision.pk).events.filter(kind="dismissed")
 
 
-def test_a_decision_still_planning_is_dismissed_and_the_silent_nodes_failure_undone() -> None:
+def test_a_decision_still_planning_is_dismissed_and_the_silent_nodes_failure_undone(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any
+) -> None:
     """The detector's failure of a node whose agent is heard again: the node and its devices
-    are back; the job runs again only once no device of its plan is down."""
+    are back; the crash the dismissed decision took over is planned for anew, so the job does
+    not wait in ``recovering`` with nothing planning."""
+    queued: list[int] = []
+    monkeypatch.setattr(api_views, "enqueue_planning", queued.append)
     decision = proposed()
     job = decision.job
     node = Device.objects.get(job=job, index=5).node
@@ -110,7 +118,8 @@ def test_a_decision_still_planning_is_dismissed_and_the_silent_nodes_failure_und
     liveness.sync_client().zadd(liveness.seen_key(job.pk), {spare_node.name: time.time()})
     detector._silent_node(job.pk, spare_node.name, time.time() - 10)  # supersedes, plans anew
     planning = RecoveryDecision.objects.get(job=job, status=DecisionStatus.PLANNING)
-    response = post(client_as("operator"), url(planning), {"reason": "its agent beats"})
+    with django_capture_on_commit_callbacks(execute=True):
+        response = post(client_as("operator"), url(planning), {"reason": "its agent beats"})
     assert response.status_code == 200 and response.json()["status"] == "dismissed"
     spares = Device.objects.filter(node=spare_node)
     assert set(spares.values_list("state", flat=True)) == {DeviceState.SPARE}
@@ -121,6 +130,12 @@ def test_a_decision_still_planning_is_dismissed_and_the_silent_nodes_failure_und
     # device 5, of the decision this one superseded, is still down: the job is not running
     assert Device.objects.get(job=job, index=5).state == DeviceState.FAILED
     assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING
+    # ... and its crash is planned for again, by a new decision handed to the planners
+    replan = RecoveryDecision.objects.get(job=job, status=DecisionStatus.PLANNING)
+    assert replan.failure_id == decision.failure_id
+    assert replan.pk not in (decision.pk, planning.pk) and queued == [replan.pk]
+    started = replan.events.get(kind=EventKind.PLANNING_STARTED)
+    assert started.payload["replans_after"] == planning.pk
 
 
 def test_a_node_not_heard_within_the_deadline_stays_failed() -> None:

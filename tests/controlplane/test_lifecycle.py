@@ -9,12 +9,10 @@ import asyncio
 import datetime as dt
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import Group, User
@@ -22,35 +20,23 @@ from django.test import Client
 from django.utils import timezone
 
 from controlplane.asgi import application
-from controlplane.celery import app as celery_app
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs import detector, lifecycle, liveness
 from controlplane.jobs.models import Device, DeviceState, Job, JobStatus, Node, NodeStatus
 from controlplane.jobs.services import create_job
 from worker_agent import protocol
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.asyncio,
+    pytest.mark.usefixtures("eager_planning"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 # the demo's job: 8 layers, PP4 x DP2, 2 devices a node: node-3 holds devices 6 and 7
 SCENARIO = json.loads((ROOT / "examples" / "reference-trainer-pp4-dp2.json").read_text())
 POLICIES = ["rerouting", "dynamic", "odyssey"]
 NODES = {f"node-{i}": [2 * i, 2 * i + 1] for i in range(4)}
-
-
-@pytest.fixture(autouse=True)
-def eager_planning() -> Iterator[None]:
-    """Planning runs in this process: the point here is the lifecycle, not the worker."""
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
-
-
-@pytest_asyncio.fixture
-async def redis() -> AsyncIterator[Any]:
-    client = liveness.client()
-    yield client
-    await client.aclose()
 
 
 async def new_job(name: str = "demo-auto") -> tuple[Job, str]:

@@ -4,14 +4,13 @@ merged by a chord into the simulator's own summary; bad experiments are 400s nam
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.test import Client
 
-from controlplane.celery import app as celery_app
 from controlplane.jobs.services import create_job
 from controlplane.recovery.codec import scenario_from_dict
 from controlplane.recovery.simulator import Experiment, TraceSpec, run
@@ -19,7 +18,9 @@ from controlplane.simulations.models import Sweep, SweepStatus
 
 from .test_api import SCENARIO, client_as, post
 
-pytestmark = pytest.mark.django_db
+# The chord runs in this process: here the point is the pieces and the merge; a real worker
+# runs one in tests/e2e/test_sweep_workers.py.
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("eager_planning")]
 
 EXPERIMENT = {
     "hours": 4,
@@ -28,15 +29,6 @@ EXPERIMENT = {
     "base_seed": 7,
     "trace": {"failure_rate_per_device_hour": 0.05, "repair_hours": 1},
 }
-
-
-@pytest.fixture(autouse=True)
-def eager_tasks() -> Iterator[None]:
-    """The chord runs in this process: here the point is the pieces and the merge; a real
-    worker runs one in tests/e2e/test_sweep_workers.py."""
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
 
 
 def test_an_operator_sweeps_a_jobs_scenario_and_gets_the_simulators_summary(

@@ -7,7 +7,7 @@ import copy
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +15,6 @@ from django.contrib.auth.models import Group, User
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
-from controlplane.celery import app as celery_app
 from controlplane.incidents.models import (
     DecisionStatus,
     Drill,
@@ -24,7 +23,7 @@ from controlplane.incidents.models import (
     TimelineEvent,
 )
 from controlplane.jobs import liveness
-from controlplane.jobs.models import Device, DeviceState, Job, Node
+from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
 from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
 from tests.controlplane.test_api import SCENARIO, client_as, proposed, user
@@ -82,7 +81,8 @@ def test_plotly_and_the_dashboards_files_are_served_without_collecting_them() ->
 
 def test_the_jobs_list_highlights_decisions_needing_approval() -> None:
     waiting = proposed("manual")
-    create_job("quiet", copy.deepcopy(SCENARIO))
+    Node.objects.filter(job=waiting.job).update(status=NodeStatus.HEALTHY)  # every node joined
+    create_job("quiet", copy.deepcopy(SCENARIO))  # no node has said hello yet
     page = text(client_as("viewer").get("/jobs/"))
     rows = re.findall(
         r"<tr class=\"([^\"]*)\">\s*<th scope=\"row\"><a href=\"/jobs/(\d+)/\">", page
@@ -91,6 +91,8 @@ def test_the_jobs_list_highlights_decisions_needing_approval() -> None:
     assert rows[1][0] == ""
     assert f'href="/recoveries/{waiting.pk}/"' in page and "needs approval" in page
     assert re.search(r"<td>7 / <span class=\"bad\">1</span> \(2\)</td>", page)  # device 5 down
+    unheard = r"<td>0 / <span class=\"\">0</span> \(0\), <span class=\"unheard\">10 not yet heard"
+    assert re.search(unheard, page)
 
 
 def test_the_jobs_list_names_the_policy_that_chose_the_running_plan() -> None:
@@ -365,15 +367,8 @@ def test_simulation_numbers_beyond_range_are_named(extra: dict[str, str], field:
 # --- simulations ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def eager_tasks() -> Iterator[None]:
-    celery_app.conf.task_always_eager = True
-    yield
-    celery_app.conf.task_always_eager = False
-
-
 def test_an_operator_starts_a_simulation_and_sees_its_summary(
-    eager_tasks: None, django_capture_on_commit_callbacks: Callable[..., Any]
+    eager_planning: None, django_capture_on_commit_callbacks: Callable[..., Any]
 ) -> None:
     job, _ = create_job("sim", copy.deepcopy(SCENARIO))
     operator = client_as("operator")
@@ -405,7 +400,7 @@ def test_a_viewer_cannot_start_a_simulation_and_bad_input_is_named() -> None:
 
 
 def test_a_trace_file_is_replayed_and_a_bad_one_is_named(
-    eager_tasks: None, django_capture_on_commit_callbacks: Callable[..., Any]
+    eager_planning: None, django_capture_on_commit_callbacks: Callable[..., Any]
 ) -> None:
     job, _ = create_job("sim-trace", copy.deepcopy(SCENARIO))
     operator = client_as("operator")
