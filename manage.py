@@ -1,24 +1,7 @@
 #!/usr/bin/env python
-"""Django's command-line utility for the Pitstop control plane."""
+"""Django's command-line utility for the Pitstop control plane (installed: ``pitstop-manage``)."""
 
-import os
-import sys
-
-from controlplane import defaults
-
-# Commands that serve, and so need the embedded Redis when REDIS_URL is unset; the others
-# (migrate, shell, ...) get only the data directory and the kept SECRET_KEY.
-SERVING_COMMANDS = frozenset({"runserver", "detect_failures"})
-
-
-def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    command = sys.argv[1] if len(sys.argv) > 1 else "help"
-    defaults.provide(redis=command in SERVING_COMMANDS)
-    from django.core.management import execute_from_command_line
-
-    execute_from_command_line(sys.argv)
-
+from controlplane.manage import main
 
 if __name__ == "__main__":
     main()

@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlparse
@@ -93,6 +93,12 @@ class Settings:
     command_timeout_s: float = 300.0
     layers: int | None = None  # the model's layers, when known: plans' ranges are checked too
     control: bool = True  # listen for injections (worker_agent.faults)
+    template: bool = True  # ``{device}`` in the command is replaced by the rank's device
+    # More of each rank's environment, by its device (the launcher's: torchrun's variables).
+    environment: Callable[[int], Mapping[str, str]] | None = None
+    # What a failed rank left to say of its exit, by its device (the launcher: the exception
+    # torch's ``@record`` wrote), added to its crash's message.
+    exit_detail: Callable[[int], str | None] | None = None
 
 
 @dataclass
@@ -357,8 +363,12 @@ class Agent:
     async def _start_rank(self, device: int) -> None:
         end, child = link.AgentEnd.pair()
         settings = self.settings
-        command = [part.replace("{device}", str(device)) for part in settings.command]
+        command = list(settings.command)
+        if settings.template:
+            command = [part.replace("{device}", str(device)) for part in command]
         env = dict(os.environ)
+        if settings.environment is not None:
+            env.update(settings.environment(device))
         env.update(
             link.child_environment(
                 fd=child.fileno(),
@@ -481,10 +491,26 @@ class Agent:
             self._abandon(rank)
             if not any(r.alive for r in self.ranks.values()):
                 log.info("every rank has finished")
+                if self._ends_when_all_exited() and any(
+                    r.gone in ("crash", "hang") for r in self.ranks.values()
+                ):
+                    self.exit_code = 1  # an earlier one failed
                 self.finish.set()
             return
         how = f"signal {-code}" if code < 0 else f"code {code}"
+        detail = self.settings.exit_detail and self.settings.exit_detail(rank.device)
+        if detail:
+            how += f": {detail}"
         self._lost(rank, "crash", f"rank {rank.pid} on device {rank.device} exited with {how}")
+        if self._ends_when_all_exited() and not any(r.alive for r in self.ranks.values()):
+            log.info("every rank has exited, one or more failed")
+            self.exit_code = 1
+            self.finish.set()
+
+    def _ends_when_all_exited(self) -> bool:
+        """Whether the agent leaves, with 1, once every rank has exited and one failed (the
+        launcher's, like torchrun's); the agent's own waits for the control plane's plan."""
+        return False
 
     # --- faults ---
 

@@ -21,8 +21,8 @@ from controlplane.recovery.codec import (
 from controlplane.recovery.decision import Decision, decide
 from controlplane.recovery.errors import InvalidScenario, RecoveryError
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
+from controlplane.recovery.policies import default_names, names
 from controlplane.recovery.policies import get as get_policy
-from controlplane.recovery.policies import names
 
 __all__ = [
     "InvalidScenario",
@@ -43,7 +43,7 @@ def parse_scenario(data: Any) -> Scenario:
 
 def check_policies(enabled: Any, scenario: Scenario) -> list[str]:
     """The job's enabled policies: known names, each once, buildable with the scenario's
-    options. An empty list means every registered policy."""
+    options. An empty list means every policy asked by default (``default_names``)."""
     if not isinstance(enabled, list) or not all(isinstance(n, str) for n in enabled):
         raise InvalidScenario("expected a list of policy names", field="enabled_policies")
     known = names()
@@ -66,12 +66,18 @@ def cluster_layout(scenario: Scenario) -> tuple[int, int, int]:
     return cluster.devices, cluster.spares, cluster.devices_per_node
 
 
-def state_of(scenario: Any, plan: Any, failed: set[int]) -> ClusterState:
-    """The core's state of a job: its scenario, the plan it runs now, the devices down now."""
+def state_of(
+    scenario: Any, plan: Any, failed: set[int], restartable: set[int] | None = None
+) -> ClusterState:
+    """The core's state of a job: its scenario, the plan it runs now, the devices down now
+    (``restartable``: those of them down by their process's fault, on nodes still heard)."""
     parsed = parse_scenario(scenario)
     state = parsed.state
     current = plan_from_dict(plan, profile=state.profile, cluster=state.cluster)
-    return replace(state, plan=current, failed=frozenset(failed))
+    down = frozenset(failed)
+    return replace(
+        state, plan=current, failed=down, restartable=frozenset(restartable or ()) & down
+    )
 
 
 def decide_for(
@@ -82,6 +88,7 @@ def decide_for(
     kind: str,
     devices: list[int],
     policies: list[str],
+    restartable: set[int] | None = None,
 ) -> dict[str, Any]:
     """Every enabled policy's candidates for a failure of ``devices`` (codec decision dict).
 
@@ -89,11 +96,11 @@ def decide_for(
     the caller stores the answer (or shows it, for a what-if).
     """
     parsed = parse_scenario(scenario)
-    state = state_of(scenario, plan, failed)
+    state = state_of(scenario, plan, failed, restartable)
     failure = Failure(
         kind=FailureKind(kind), devices=frozenset(devices), detected_by="control plane"
     )
-    asked = policies or names()
+    asked = policies or default_names()
     options = {name: dict(parsed.options[name]) for name in asked if name in parsed.options}
     decision: Decision = decide(state, failure, policies=asked, options=options)
     return decision_to_dict(decision)

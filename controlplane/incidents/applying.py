@@ -102,6 +102,8 @@ RESTORE_BY_POLICY = {
     "checkfree_plus": protocol.RestoreMode.NEIGHBOURS_PLUS,
     "checkpoint": protocol.RestoreMode.CHECKPOINT,
     "varuna": protocol.RestoreMode.CHECKPOINT,
+    "restart": protocol.RestoreMode.CHECKPOINT,
+    "restart_shrink": protocol.RestoreMode.CHECKPOINT,
 }
 
 
@@ -143,12 +145,17 @@ def live_holders(job: Job, plan: Any, nodes: Iterable[Node]) -> list[int] | None
 
 
 def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
-    """The job runs ``plan`` from now on: its devices used, the others idle (or still down)."""
+    """The job runs ``plan`` from now on: its devices used, the others idle (or still down).
+
+    A plan uses a failed device only when it restarts a process's fault in place (the
+    ``restart`` policy: the device runs the new process), so every device it uses is healthy."""
     used = {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
     Job.objects.filter(pk=job.pk).update(plan=plan)
-    alive = Device.objects.filter(job=job).exclude(state=DeviceState.FAILED)
-    alive.filter(index__in=used).update(state=DeviceState.HEALTHY)
-    alive.exclude(index__in=used).update(state=DeviceState.SPARE)
+    devices = Device.objects.filter(job=job)
+    devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
+    devices.exclude(index__in=used).exclude(state=DeviceState.FAILED).update(
+        state=DeviceState.SPARE
+    )
 
 
 def _send_quietly(command_ids: list[uuid.UUID]) -> None:

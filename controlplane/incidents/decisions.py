@@ -27,7 +27,7 @@ from controlplane.incidents.models import (
     RecoveryDecision,
 )
 from controlplane.incidents.transitions import IllegalTransition, record, transition
-from controlplane.jobs import liveness
+from controlplane.jobs import lifecycle, liveness
 from controlplane.jobs.models import (
     ApprovalMode,
     Device,
@@ -176,6 +176,24 @@ def record_idle_failure(
     return failure
 
 
+# Faults of a process, not of its device: a restart may run a new process there.
+PROCESS_FAULTS = (FailureKind.CRASH, FailureKind.HANG, FailureKind.NAN)
+
+
+def _restartable(job: Job, down: set[int]) -> set[int]:
+    """Those of ``down`` whose latest failure was their process's (crash, hang, NaN) on a node
+    whose agent is connected: a coordinated restart may run on them again (``restart``)."""
+    latest: dict[int, str] = {}
+    failures = Failure.objects.filter(job=job).order_by("detected_at", "pk")
+    for kind, devices in failures.values_list("kind", "devices"):
+        latest.update((d, kind) for d in devices if d in down)
+    process = [d for d, kind in latest.items() if kind in PROCESS_FAULTS]
+    connected = Device.objects.filter(
+        job=job, index__in=process, node__status__in=lifecycle.CONNECTED
+    )
+    return set(connected.values_list("index", flat=True))
+
+
 def _new_failure(
     job: Job,
     kind: str,
@@ -233,13 +251,15 @@ def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | N
             return decision.status
         job, failure = decision.job, decision.failure
         seen = list(failure.devices)
+        down = failed_devices(job)
         answer = rows.decide_for(
             job.scenario,
             job.plan,
-            failed_devices(job),
+            down,
             kind=failure.kind,
             devices=seen,
             policies=list(job.enabled_policies),
+            restartable=_restartable(job, down),
         )
         with transaction.atomic():
             locked = RecoveryDecision.objects.select_for_update().get(pk=decision_id)

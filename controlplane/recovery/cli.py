@@ -336,7 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "simulate":
             result = simulate(scenario, args)
         else:
-            result = plan(scenario, args.policy or policies.names(), exhaustive=args.exhaustive)
+            result = plan(
+                scenario, args.policy or policies.default_names(), exhaustive=args.exhaustive
+            )
     except RecoveryError as exc:
         print(f"error [{exc.code}]: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

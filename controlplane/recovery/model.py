@@ -352,6 +352,9 @@ class ClusterState:
     # Seconds of steps completed since the last checkpoint that no earlier recovery charged:
     # what a rollback to that checkpoint throws away on top of the interrupted step.
     completed_since_checkpoint_s: float | None = None
+    # Failed devices whose fault was their process's (a crash, hang or NaN on a node still
+    # heard): a restart may run a new process on them (the ``restart`` policy's in place).
+    restartable: frozenset[int] = frozenset()
 
     @property
     def healthy(self) -> frozenset[int]:

@@ -27,6 +27,7 @@ class InvalidOption(InvalidScenario):
 class _Entry:
     target: str  # "module:Class"
     preset: tuple[tuple[str, Any], ...]  # options fixed by this name (``odyssey_spares``)
+    by_default: bool = True  # asked when a caller names no policies (``default_names``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +42,25 @@ class PolicyInfo:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(name: str, target: str, **preset: Any) -> None:
+def register(name: str, target: str, *, by_default: bool = True, **preset: Any) -> None:
     """Register a policy class by dotted path; ``preset`` fixes options for this name.
+    ``by_default=False``: asked only by name (a policy for one kind of job, not every job).
 
     A name registered twice is an error.
     """
     if name in _REGISTRY:
         raise ValueError(f"policy {name!r} is already registered as {_REGISTRY[name].target}")
-    _REGISTRY[name] = _Entry(target, tuple(preset.items()))
+    _REGISTRY[name] = _Entry(target, tuple(preset.items()), by_default)
 
 
 def names() -> list[str]:
+    """Every registered policy."""
     return list(_REGISTRY)
+
+
+def default_names() -> list[str]:
+    """The policies asked when a caller names none: every one but those asked only by name."""
+    return [name for name, entry in _REGISTRY.items() if entry.by_default]
 
 
 def _entry(name: str) -> _Entry:
@@ -145,5 +153,9 @@ register("varuna", _P + "varuna:VarunaPolicy")
 # re-plan allowed onto spares, the fair baseline on a cluster with spares, then pitstop.
 register("odyssey_spares", _P + "odyssey:OdysseyPolicy", use_spares=True)
 register("pitstop", _P + "pitstop:PitstopPolicy")
+# For jobs under the launcher (an unmodified script restarts, it keeps nothing in memory): asked
+# by name only, so every other job's decisions, and the reproductions, are what they were.
+register("restart", _P + "restart:RestartPolicy", by_default=False)
+register("restart_shrink", _P + "restart:RestartPolicy", by_default=False, shrink=True)
 
 __all__ = ["InvalidOption", "Policy", "PolicyInfo", "describe", "get", "names", "register"]

@@ -1,0 +1,202 @@
+"""Kill to training again for an unmodified torchrun script: Pitstop's launcher beside torchrun.
+
+The script is ``examples/torchrun_ddp.py`` (DDP on CPU gloo, a checkpoint every 5 steps, 0.05 s
+of sleep a step), two processes on this host, resuming from its checkpoint when started again.
+
+- **torchrun**: ``torchrun --standalone --nproc-per-node 2 --max-restarts 3``; its elastic agent
+  sees the killed worker, stops the other and starts both again by itself (the baseline). A
+  restart whose processes fail to form their group is retried, up to the limit; the time runs
+  to the first step of whichever restart trains (``restart`` in the JSON says which).
+- **pitstop**: ``python -m worker_agent launch`` with the same flags, reporting to the stack the
+  demo runs (Daphne, the embedded Redis, a Celery worker, the detector); the job asks the
+  ``restart`` policy in ``auto`` mode, so the crash is recorded, planned with ``decide()``,
+  applied as a coordinated restart, and the recovery's timeline phases are read from the API.
+
+Each repetition waits for step 12, SIGKILLs the process of rank 1 and times until the first
+step line of a restarted script (``restart`` ≥ 1) is read from the output. The ratio is
+Pitstop's median over torchrun's.
+
+    python -m benchmarks.launch_restart [--repeats 3] [--out PATH]
+
+Bounded (every wait has a deadline), loopback only; a fresh data directory per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.results import write_results
+from controlplane.demo import ControlPlane, Processes, children_of, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "torchrun_ddp.py"
+SCENARIO = ROOT / "examples" / "torchrun-ddp-2x1.json"
+LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
+WARMUP_STEPS = 12
+TIMEOUT_S = 120.0
+OPEN = ("planning", "proposed", "approved", "overridden", "auto_applied", "applying")
+
+
+def _ranks(pid: int) -> dict[int, int]:
+    """RANK -> pid of the script's processes under the launcher ``pid`` (torchrun's are one
+    level further down: its elastic agent's children)."""
+    found: dict[int, int] = {}
+    pending = [pid]
+    while pending:
+        for child in children_of(pending.pop()):
+            pending.append(child)
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = next((e[5:] for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None and b"-u" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found[int(rank)] = child
+    return found
+
+
+def _seen(out: Path, check: Callable[[list[tuple[int, int, int, int]]], bool]) -> bool:
+    lines = [tuple(map(int, m)) for m in LINE.findall(out.read_bytes())] if out.exists() else []
+    return check(lines)  # type: ignore[arg-type]
+
+
+def one_run(argv: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Start ``argv``, kill rank 1 once trained, time until a restarted process stepped."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(
+            lambda: _seen(out, lambda ls: sum(1 for r, *_ in ls if r == 1) >= WARMUP_STEPS),
+            "training",
+            TIMEOUT_S,
+        )
+        victim = wait_for(lambda: _ranks(process.pid).get(1), "rank 1's process", 10)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(
+            lambda: _seen(out, lambda ls: any(n >= 1 for _, _, n, _ in ls)),
+            "a step after a restart",
+            TIMEOUT_S,
+        )
+        seconds = time.monotonic() - killed_at
+        restarts = max(n for *_, n, _ in LINE.findall(out.read_bytes()))
+        return {"kill_to_training_s": seconds, "status": "recovered", "restart": int(restarts)}
+    except TimeoutError as exc:
+        return {"status": "failed", "reason": str(exc)}
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="kills per launcher")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/launch_restart.json")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be ≥ 1")
+    scenario = json.loads(SCENARIO.read_text())
+    scenario["cluster"]["devices_per_node"] = 2  # both processes on this one node
+    rows: dict[str, list[dict[str, Any]]] = {"torchrun": [], "pitstop": []}
+    with tempfile.TemporaryDirectory(prefix="pitstop-launch-restart-") as tmp:
+        data = Path(tmp)
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        env.update(
+            PITSTOP_DATA_DIR=str(data),
+            OMP_NUM_THREADS="1",
+            PITSTOP_HEARTBEAT_INTERVAL_S="0.5",
+            DJANGO_SETTINGS_MODULE="controlplane.settings",
+        )
+        processes = Processes(data / "logs", env)
+        (data / "logs").mkdir()
+        plane = ControlPlane(data, free_port(), processes)
+        try:
+            plane.start()
+            jobs = [
+                {"name": f"ddp-{i}", "scenario": scenario, "mode": "auto", "policies": ["restart"]}
+                for i in range(args.repeats)
+            ]
+            made = plane.setup("bench", "bench", jobs)["jobs"]
+            progress = tqdm(total=2 * args.repeats, desc="kills", unit="run")
+            for i in range(args.repeats):
+                script = [
+                    str(SCRIPT), "--steps", "100000", "--step-s", "0.05",
+                    "--checkpoint-dir", str(data / f"checkpoint-{i}"),
+                ]  # fmt: skip
+                flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
+                base = [sys.executable, "-m", "torch.distributed.run", *flags, *script[:1]]
+                torchrun = one_run([*base, *script[1:]], data / f"torchrun-{i}.out", env)
+                rows["torchrun"].append(torchrun)
+                progress.update()
+                (data / f"checkpoint-{i}" / "checkpoint.pt").unlink(missing_ok=True)
+                launch = [
+                    sys.executable, "-m", "worker_agent", "launch", *flags,
+                    "--server", f"ws://127.0.0.1:{plane.port}", "--job", f"ddp-{i}",
+                ]  # fmt: skip
+                pitstop = one_run(
+                    [*launch, *script],
+                    data / f"pitstop-{i}.out",
+                    {**env, "PITSTOP_AGENT_TOKEN": made[f"ddp-{i}"]["token"]},
+                )
+                job = made[f"ddp-{i}"]["id"]
+
+                def ended(job: int = job) -> list[dict[str, Any]]:
+                    found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
+                    return found if found and found[0]["status"] not in OPEN else []
+
+                try:
+                    found = wait_for(ended, "the recovery's end", 30)
+                except TimeoutError:
+                    found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
+                if found:
+                    timeline = plane.api(f"/api/v1/recoveries/{found[0]['id']}/timeline/")
+                    pitstop["decision"] = found[0]["status"]
+                    pitstop["phases"] = timeline.get("phases")
+                rows["pitstop"].append(pitstop)
+                progress.update()
+            progress.close()
+        finally:
+            processes.stop_all()
+    summary: dict[str, dict[str, Any]] = {}
+    for name, runs in rows.items():
+        times = [r["kill_to_training_s"] for r in runs if r["status"] == "recovered"]
+        summary[name] = {
+            "recovered": len(times),
+            "runs": len(runs),
+            "median_s": statistics.median(times) if times else None,
+            "range_s": [min(times), max(times)] if times else None,
+        }
+    theirs, ours = summary["torchrun"]["median_s"], summary["pitstop"]["median_s"]
+    ratio = ours / theirs if theirs and ours else None
+    print(f"{'launcher':<10} {'recovered':>9} {'median s':>9} {'range s':>15}")
+    for name, row in summary.items():
+        span = row["range_s"]
+        shown = f"{span[0]:.1f}-{span[1]:.1f}" if span else "-"
+        median = f"{row['median_s']:.2f}" if row["median_s"] is not None else "-"
+        print(f"{name:<10} {row['recovered']:>4}/{row['runs']:<4} {median:>9} {shown:>15}")
+    print(f"pitstop / torchrun: {ratio:.2f}" if ratio else "pitstop / torchrun: -")
+    write_results(args.out, {"summary": summary, "ratio": ratio, "runs": rows})
+    return 0 if all(r["recovered"] == r["runs"] for r in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

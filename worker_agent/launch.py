@@ -1,0 +1,401 @@
+"""Any torchrun script under Pitstop: ``python -m worker_agent launch`` in torchrun's place.
+
+    python -m worker_agent launch --nnodes 2 --nproc-per-node 4 --node-rank 0 \\
+        --master-addr 10.0.0.1 --master-port 29500 \\
+        --server ws://CONTROL:8000 --job NAME    train.py --its --own --flags
+
+It takes torchrun's own command line (its parser, ``torch.distributed.run.get_args_parser``,
+so every flag and ``PET_*`` variable torchrun knows is accepted) plus the control plane's
+address, the job's name and one agent token for the whole job (``--server``, ``--job``,
+``--token`` or ``PITSTOP_SERVER``, ``PITSTOP_JOB``, ``PITSTOP_AGENT_TOKEN``), and runs the
+script's processes under the agent (``worker_agent/agent.py``): each with the environment
+torchrun gives it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...), so a
+script that runs under torchrun runs under this unchanged, and the node reports heartbeats,
+crashes and its goodbye to the control plane like any agent.
+
+The node is ``node-<node rank>`` (or ``--node-name``) and holds the global devices
+``node_rank × nproc_per_node`` onward, one per process: device ids are the global ranks, given
+by no one. ``--standalone`` is one node on this host, its master on 127.0.0.1 and a free port.
+
+Why not torchrun's own elastic agent, with a Pitstop rendezvous backend: that agent restarts a
+node's workers by itself on any local failure (``--max-restarts``) and forms the next world
+from whichever nodes reach the rendezvous, whereas under Pitstop the control plane decides
+(``decide()``, an operator's approval) whether, when and on which nodes the job goes on, and
+the agent already supervises the processes, watches for hangs and speaks to the control plane.
+torchrun's parser and its environment are what a script sees, and those are kept exactly.
+
+The launcher exits like torchrun: 0 when every process exited 0; 1 once every process has
+exited, one of them failed, and ``--max-restarts`` restarts have been made (with torchrun's
+default, 0, at the first failure). Before that limit a failure waits for the control plane: it
+decides with the same ``decide()`` as for any job (restart on the surviving devices, wait for a
+spare or a replacement node, or an operator's choice) and sends an ``apply_plan``, which this
+launcher carries out as a coordinated restart (``Launcher``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from worker_agent import protocol
+from worker_agent.agent import Agent, Settings, check_plan
+
+log = logging.getLogger("worker_agent.launch")
+
+
+@dataclass(frozen=True)
+class World:
+    """This node's place in a job launched torchrun's way (static rendezvous)."""
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    max_restarts: int
+    signals_to_handle: str
+    error_dir: str  # each process's TORCHELASTIC_ERROR_FILE is under it
+    restart_count: int = 0
+
+    members: tuple[int, ...] = ()  # after a restart: the devices of the world, else all
+
+    @property
+    def everyone(self) -> tuple[int, ...]:
+        """The world's devices, in rank order (a device's global rank is its index)."""
+        return self.members or tuple(range(self.nnodes * self.nproc_per_node))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.everyone)
+
+    @property
+    def devices(self) -> list[int]:
+        """This node's devices, the global ranks it started with."""
+        first = self.node_rank * self.nproc_per_node
+        return list(range(first, first + self.nproc_per_node))
+
+    def restarted(self, members: list[int], restart_count: int) -> World:
+        """The world of a coordinated restart: ``members`` (devices), ranks in their order."""
+        return dataclasses.replace(
+            self, members=tuple(sorted(members)), restart_count=restart_count
+        )
+
+    def error_file(self, device: int) -> str:
+        """Where ``torch.distributed.elastic``'s ``@record`` writes the process's uncaught
+        exception: ``<error_dir>/attempt_<restart>/<local rank>/error.json``, as torchrun's."""
+        local = device - self.node_rank * self.nproc_per_node
+        folder = Path(self.error_dir) / f"attempt_{self.restart_count}" / str(local)
+        folder.mkdir(parents=True, exist_ok=True)
+        return str(folder / "error.json")
+
+    def exit_detail(self, device: int) -> str | None:
+        """The exception the process's ``@record`` wrote to its error file, if it did."""
+        path = Path(self.error_dir) / f"attempt_{self.restart_count}"
+        path = path / str(device - self.node_rank * self.nproc_per_node) / "error.json"
+        try:
+            message = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        text = message.get("message") if isinstance(message, dict) else message
+        return str(text)[:500] if text else None
+
+    def environment(self, device: int) -> dict[str, str]:
+        """What torchrun's elastic agent puts in the environment of the process of global rank
+        ``device`` (``LocalElasticAgent._start_workers``), with one role, ``default``."""
+        everyone = self.everyone
+        here = [d for d in everyone if d in self.devices]
+        # nodes are blocks of nproc_per_node devices; a node's group rank is its place among
+        # the world's nodes
+        nodes = sorted({d // self.nproc_per_node for d in everyone})
+        rank = everyone.index(device)
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(here.index(device)),
+            "GROUP_RANK": str(nodes.index(self.node_rank)),
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default",
+            "LOCAL_WORLD_SIZE": str(len(here)),
+            "WORLD_SIZE": str(len(everyone)),
+            "GROUP_WORLD_SIZE": str(len(nodes)),
+            "ROLE_WORLD_SIZE": str(len(everyone)),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            # rank 0 hosts the store at MASTER_PORT, as under a static rendezvous
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+            ),
+            "TORCHELASTIC_ERROR_FILE": self.error_file(device),
+            # torchrun's own environment, which its processes inherit
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,
+        }
+        if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes a node
+        return env
+
+
+STEP_HOOK = Path(__file__).resolve().parent / "stephook"
+
+
+class Launcher(Agent):
+    """The agent in torchrun's place: its ranks are the script's processes, in ``world``.
+
+    An ``apply_plan`` is a coordinated restart: every process of this node is stopped (SIGTERM,
+    SIGKILL after the grace), and the node's devices in the plan are started again in the plan's
+    world (its devices, ranked in order; ``TORCHELASTIC_RESTART_COUNT`` one more), so the script
+    resumes from its own checkpoint as under torchrun. A device the plan leaves out stays idle.
+    The restart is acknowledged once the processes run; their first step (the step hook's)
+    shows on the heartbeats.
+    """
+
+    def __init__(self, settings: Settings, world: World) -> None:
+        self.world = world
+        self.restarting: set[str] = set()  # apply_plan commands being carried out
+        self._one_at_a_time = asyncio.Lock()  # restarts never overlap
+        super().__init__(
+            dataclasses.replace(
+                settings, environment=self._environment, exit_detail=self._exit_detail
+            )
+        )
+
+    def _environment(self, device: int) -> dict[str, str]:
+        env = self.world.environment(device)
+        path = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([str(STEP_HOOK), *([path] if path else [])])
+        env["PITSTOP_STEP_HOOK"] = str(os.getpid())
+        return env
+
+    def _exit_detail(self, device: int) -> str | None:
+        return self.world.exit_detail(device)
+
+    def _ends_when_all_exited(self) -> bool:
+        # torchrun's limit: past --max-restarts a failure ends the launcher (with 1); before,
+        # the processes wait for the control plane's coordinated restart
+        return self.world.restart_count >= self.world.max_restarts
+
+    def _refusal(self, command: protocol.Command) -> protocol.Error | None:
+        if command.action is protocol.Action.APPLY_PLAN:
+            # every process restarts: a dead one is no reason to refuse
+            return check_plan(command, set(self.settings.devices), set(), self.settings.layers)
+        return super()._refusal(command)
+
+    async def on_command(self, command: protocol.Command) -> None:
+        if command.action is not protocol.Action.APPLY_PLAN:
+            await super().on_command(command)
+            return
+        done = self.outcomes.get(command.id)
+        if done is not None:
+            self.uplink.ack(done)
+            return
+        if command.id in self.restarting:
+            return
+        error = self._refusal(command)
+        if error is not None:
+            log.warning("command %s refused: %s", command.id, error.message)
+            self.uplink.ack(protocol.Ack(command=command.id, ok=False, at=time.time(), error=error))
+            return
+        self.restarting.add(command.id)
+        try:
+            async with self._one_at_a_time:
+                await self._restart(command)
+        finally:
+            self.restarting.discard(command.id)
+        ack = protocol.Ack(command=command.id, ok=True, at=time.time())
+        self.outcomes[command.id] = ack
+        self.uplink.ack(ack)
+
+    async def _restart(self, command: protocol.Command) -> None:
+        plan = command.plan or {}
+        members = sorted({d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]})
+        if command.decision is not None:
+            self.generation = f"d{command.decision}/"
+        self.plan_devices = set(members)
+        began = time.monotonic()
+        for rank in self.ranks.values():
+            rank.exit_expected = True
+        self.stopping = True  # their exits are no faults, nor the end of the job
+        try:
+            await self._stop_ranks()
+        finally:
+            self.stopping = False
+        for rank in self.ranks.values():
+            rank.gone = rank.gone or "stopped"
+        self.ranks.clear()
+        self.world = self.world.restarted(members, self.world.restart_count + 1)
+        mine = [d for d in self.settings.devices if d in self.plan_devices]
+        for device in mine:
+            await self._start_rank(device)
+        log.info(
+            "restart %d (command %s): devices %s of a world of %d started again in %.2f s",
+            self.world.restart_count,
+            command.id,
+            mine,
+            self.world.world_size,
+            time.monotonic() - began,
+        )
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "python -m worker_agent launch"
+    p.description = __doc__.split("\n\n")[0] + " torchrun's flags, then Pitstop's:"
+    env = os.environ.get
+    pitstop = p.add_argument_group("Pitstop", "the control plane this node reports to")
+    pitstop.add_argument(
+        "--server",
+        default=env("PITSTOP_SERVER", "ws://127.0.0.1:8000"),
+        help="the control plane's address, ws://HOST:PORT (PITSTOP_SERVER)",
+    )
+    pitstop.add_argument("--job", default=env("PITSTOP_JOB"), help="the job's name (PITSTOP_JOB)")
+    pitstop.add_argument(
+        "--token",
+        default=env("PITSTOP_AGENT_TOKEN"),
+        help="the job's agent token, one for every node (PITSTOP_AGENT_TOKEN)",
+    )
+    pitstop.add_argument(
+        "--node-name",
+        default=env("PITSTOP_NODE"),
+        help="this node's name in the job (PITSTOP_NODE; default node-<node rank>)",
+    )
+    return p
+
+
+# torchrun's flags the launcher does not honour, with their defaults: a value other than the
+# default is named in a warning (logs, redirects and NUMA binding are left to the script's
+# environment; the rendezvous is static, ranks by node rank).
+IGNORED = {
+    "log_dir": None,
+    "redirects": "0",
+    "tee": "0",
+    "local_ranks_filter": "",
+    "role": "default",
+    "rdzv_conf": "",
+    "numa_binding": None,
+    "virtual_local_rank": False,
+    "local_addr": None,
+}
+
+
+def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    try:
+        _, nnodes = parse_min_max_nnodes(args.nnodes)
+        nproc = determine_local_world_size(args.nproc_per_node)
+    except (RuntimeError, ValueError) as exc:
+        p.error(str(exc))
+    if nnodes < 1 or nproc < 1 or not 0 <= args.node_rank < nnodes:
+        p.error(f"--node-rank {args.node_rank}: expected 0..{nnodes - 1}, with --nnodes ≥ 1")
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be ≥ 0")
+    if args.standalone:
+        if nnodes != 1:
+            p.error("--standalone is one node: --nnodes 1")
+        with socket.socket() as probe:  # a free port, as torchrun's standalone store takes
+            probe.bind(("127.0.0.1", 0))
+            addr, port = "127.0.0.1", int(probe.getsockname()[1])
+    elif args.rdzv_endpoint:
+        addr, _, given = args.rdzv_endpoint.rpartition(":")
+        if not addr or not given.isdigit():
+            p.error(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+        port = int(given)
+    else:
+        addr, port = args.master_addr, int(args.master_port)
+    run_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
+    errors = tempfile.mkdtemp(prefix=f"pitstop-run-{run_id}-")
+    return World(
+        nnodes,
+        nproc,
+        args.node_rank,
+        addr,
+        port,
+        run_id,
+        args.max_restarts,
+        args.signals_to_handle,
+        errors,
+    )
+
+
+def _command(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The command torchrun would run for each process (``config_from_args``)."""
+    if args.no_python:
+        if args.module:
+            p.error("--no-python and --module together: choose one")
+        return [args.training_script, *args.training_script_args]
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    module = ["-m"] if args.module else []
+    return [python, "-u", *module, args.training_script, *args.training_script_args]
+
+
+def _shutdown_timeout(args: argparse.Namespace) -> float:
+    """torchrun's: ``--shutdown-timeout``, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s."""
+    if args.shutdown_timeout is not None:
+        return float(args.shutdown_timeout)
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+
+
+def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
+    p = parser()
+    args = p.parse_args(argv)
+    for name, default in IGNORED.items():
+        if getattr(args, name, default) not in (default, None):
+            log.warning("--%s is torchrun's and is not honoured here", name.replace("_", "-"))
+    world = _world(p, args)
+    if not args.job or not args.token:
+        p.error("--job and --token are needed (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN)")
+    url = urlparse(args.server)
+    if url.scheme not in ("ws", "wss") or not url.hostname:
+        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
+    if len(world.devices) > protocol.MAX_DEVICES:
+        p.error(f"--nproc-per-node: at most {protocol.MAX_DEVICES}")
+    settings = Settings(
+        server=args.server,
+        job=args.job,
+        node=args.node_name or f"node-{world.node_rank}",
+        token=args.token,
+        devices=world.devices,
+        command=_command(p, args),
+        grace_s=_shutdown_timeout(args),
+        control=False,
+        template=False,  # the script's arguments are its own: nothing in them is replaced
+        environment=world.environment,
+    )
+    return settings, world
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, world = settings_from(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log.info(
+        "node %s: ranks %s of %d, master %s:%d",
+        settings.node,
+        world.devices,
+        world.world_size,
+        world.master_addr,
+        world.master_port,
+    )
+    try:
+        return asyncio.run(Launcher(settings, world).run())
+    finally:
+        shutil.rmtree(world.error_dir, ignore_errors=True)
