@@ -24,6 +24,7 @@ Bounded (every wait has a deadline), loopback only; a fresh data directory per r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -74,8 +75,14 @@ def _seen(out: Path, check: Callable[[list[tuple[int, int, int, int]]], bool]) -
     return check(lines)  # type: ignore[arg-type]
 
 
-def one_run(argv: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Start ``argv``, kill rank 1 once trained, time until a restarted process stepped."""
+def one_run(
+    argv: list[str],
+    out: Path,
+    env: dict[str, str],
+    then: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Start ``argv``, kill rank 1 once trained, time until a restarted process stepped; what
+    ``then`` adds, read while it still runs."""
     process = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT
     )
@@ -95,7 +102,8 @@ def one_run(argv: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
         )
         seconds = time.monotonic() - killed_at
         restarts = max(n for *_, n, _ in LINE.findall(out.read_bytes()))
-        return {"kill_to_training_s": seconds, "status": "recovered", "restart": int(restarts)}
+        run = {"kill_to_training_s": seconds, "status": "recovered", "restart": int(restarts)}
+        return run | (then() if then is not None else {})
     except TimeoutError as exc:
         return {"status": "failed", "reason": str(exc)}
     finally:
@@ -105,6 +113,24 @@ def one_run(argv: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+def recovery(plane: ControlPlane, job: int) -> dict[str, Any]:
+    """The job's recovery once it ended (its first step under the plan seen), with its
+    timeline's phases."""
+
+    def ended() -> list[dict[str, Any]]:
+        found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
+        return found if found and found[0]["status"] not in OPEN else []
+
+    try:
+        found = wait_for(ended, "the recovery's end", 30)
+    except TimeoutError:
+        found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
+    if not found:
+        return {"decision": None}
+    timeline = plane.api(f"/api/v1/recoveries/{found[0]['id']}/timeline/")
+    return {"decision": found[0]["status"], "phases": timeline.get("phases")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,21 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                     [*launch, *script],
                     data / f"pitstop-{i}.out",
                     {**env, "PITSTOP_AGENT_TOKEN": made[f"ddp-{i}"]["token"]},
+                    then=functools.partial(recovery, plane, made[f"ddp-{i}"]["id"]),
                 )
-                job = made[f"ddp-{i}"]["id"]
-
-                def ended(job: int = job) -> list[dict[str, Any]]:
-                    found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
-                    return found if found and found[0]["status"] not in OPEN else []
-
-                try:
-                    found = wait_for(ended, "the recovery's end", 30)
-                except TimeoutError:
-                    found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
-                if found:
-                    timeline = plane.api(f"/api/v1/recoveries/{found[0]['id']}/timeline/")
-                    pitstop["decision"] = found[0]["status"]
-                    pitstop["phases"] = timeline.get("phases")
                 rows["pitstop"].append(pitstop)
                 progress.update()
             progress.close()
@@ -194,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         median = f"{row['median_s']:.2f}" if row["median_s"] is not None else "-"
         print(f"{name:<10} {row['recovered']:>4}/{row['runs']:<4} {median:>9} {shown:>15}")
     print(f"pitstop / torchrun: {ratio:.2f}" if ratio else "pitstop / torchrun: -")
-    write_results(args.out, {"summary": summary, "ratio": ratio, "runs": rows})
-    return 0 if all(r["recovered"] == r["runs"] for r in summary.values()) else 1
+    write_results(args.out, {"summary": summary, "ratio": ratio, "rows": rows})
+    # torchrun's own failures are measured, not this benchmark's: only Pitstop's fail it
+    return 0 if summary["pitstop"]["recovered"] == summary["pitstop"]["runs"] else 1
 
 
 if __name__ == "__main__":
