@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -59,7 +60,10 @@ def main() -> None:
         optimizer.step()
         step += 1
         time.sleep(args.step_s)
-        print(f"rank {rank} step {step} loss {loss.item():.6f} restart {restart} world {world}")
+        # one write a line: the ranks share the launcher's stdout, and print writes the end of
+        # the line apart (unbuffered, under ``python -u``), so lines of two ranks could mix
+        line = f"rank {rank} step {step} loss {loss.item():.6f} restart {restart} world {world}"
+        sys.stdout.write(line + "\n")
         if path is not None and step % args.checkpoint_every == 0:
             if rank == 0:  # one copy: DDP's replicas are the same
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -755,7 +755,13 @@ class Agent:
             {"node": self.settings.node, "superseded_by": self.generation, "at": time.time()}
         )
         log.info("generation %s superseded by %s: fenced", superseded, self.generation)
-        self._spawn(store.set(f"{superseded}abort", value))
+
+        async def fence() -> None:
+            # why, where a peer's transport error may overwrite the abort key's value
+            await store.set(f"{superseded}superseded", value)
+            await store.set(f"{superseded}abort", value)
+
+        self._spawn(fence())
 
     # --- injections (worker_agent.faults) ---
 

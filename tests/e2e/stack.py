@@ -31,17 +31,24 @@ TRAINER_SCENARIO = REPO_ROOT / "examples" / "reference-trainer-pp2-dp2.json"
 TRAINER_NODES = {"node-0": [0, 1], "node-1": [2, 3]}
 TRAINER_POLICIES = ["rerouting", "dynamic", "odyssey"]
 
+# ``manage.py shell -c`` text that makes the job ``drill`` (auto, asking ``policies``) of the
+# scenario at ``path`` and a superuser, and prints their ids and tokens: ``setup``.
 SETUP = """
 import json
 from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
 from controlplane.jobs.services import create_job
 job, token = create_job("drill", json.loads(open({path!r}).read()), approval_mode="auto",
-                        enabled_policies=["dynamic"])
+                        enabled_policies={policies!r})
 root = User.objects.create_superuser("root", password="x")
 print(json.dumps({{"job": job.pk, "agent_token": token,
                   "api_token": Token.objects.create(user=root).key}}))
 """
+
+
+def setup(path: Path, policies: tuple[str, ...] = ("dynamic",)) -> str:
+    """``SETUP`` for the scenario at ``path``, the job asking ``policies``."""
+    return SETUP.format(path=str(path), policies=list(policies))
 
 
 class Stack:

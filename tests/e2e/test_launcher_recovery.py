@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, setup
 from tests.processes import REPO_ROOT, free_port
 from tests.worker_agent.helpers import children_of
 
@@ -27,17 +27,6 @@ pytestmark = pytest.mark.e2e
 SCENARIO = REPO_ROOT / "examples" / "torchrun-ddp-2x1.json"
 SCRIPT = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
 LINE = re.compile(r"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
-SETUP = """
-import json
-from django.contrib.auth.models import User
-from rest_framework.authtoken.models import Token
-from controlplane.jobs.services import create_job
-job, token = create_job("ddp", json.loads(open({path!r}).read()), approval_mode="auto",
-                        enabled_policies=["restart"])
-root = User.objects.create_superuser("root", password="x")
-print(json.dumps({{"job": job.pk, "agent_token": token,
-                  "api_token": Token.objects.create(user=root).key}}))
-"""
 
 
 @pytest.fixture
@@ -55,7 +44,7 @@ def launch(stack: Stack, token: str, rank: int, port: int) -> None:
         [sys.executable, "-m", "worker_agent", "launch",
          "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "3",
-         "--server", f"ws://127.0.0.1:{stack.port}", "--job", "ddp",
+         "--server", f"ws://127.0.0.1:{stack.port}", "--job", "drill",
          SCRIPT, "--steps", "100000", "--step-s", "0.05",
          "--checkpoint-dir", str(stack.tmp / "checkpoint")],
         env={**stack.env, "OMP_NUM_THREADS": "1", "PITSTOP_AGENT_TOKEN": token},
@@ -73,7 +62,7 @@ def steps(stack: Stack, rank: int) -> list[tuple[int, int, int, int]]:
 def test_a_killed_rank_of_an_unmodified_script_is_restarted_from_its_checkpoint(
     stack: Stack,
 ) -> None:
-    made = json.loads(stack.manage("shell", "-c", SETUP.format(path=str(SCENARIO))))
+    made = json.loads(stack.manage("shell", "-c", setup(SCENARIO, ("restart",))))
     for name in ("redis", "server", "worker"):
         stack.start(name)
     token, job = made["api_token"], made["job"]

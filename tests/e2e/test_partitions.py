@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests import netns
-from tests.e2e.stack import SCENARIO, SETUP, Stack
+from tests.e2e.stack import SCENARIO, Stack, setup
 from tests.processes import REPO_ROOT
 
 NO_HOSTS = netns.unavailable()  # why test hosts cannot be made here, or None
@@ -130,7 +130,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
                 fast["model"][layer] /= 100
             scenario = tmp_path / "scenario.json"
             scenario.write_text(json.dumps(fast))
-            made = json.loads(stack.manage("shell", "-c", SETUP.format(path=str(scenario))))
+            made = json.loads(stack.manage("shell", "-c", setup(scenario)))
             for name in ("redis", "server", "worker", "detector"):
                 stack.start(name)
             token = made["agent_token"]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.e2e.stack import NODES, SCENARIO, SETUP, Stack
+from tests.e2e.stack import NODES, SCENARIO, Stack, setup
 
 pytestmark = pytest.mark.e2e
 
@@ -96,7 +96,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 def test_a_recovery_survives_its_worker_server_and_redis_restarting(stack: Stack) -> None:
     scenario = stack.tmp / "scenario.json"
     scenario.write_text(json.dumps(SCENARIO))
-    made = json.loads(stack.manage("shell", "-c", SETUP.format(path=str(scenario))))
+    made = json.loads(stack.manage("shell", "-c", setup(scenario)))
     for name in ("redis", "server", "detector"):
         stack.start(name)
     url = f"ws://127.0.0.1:{stack.port}/ws/agent/"

@@ -54,6 +54,36 @@ def start_agent(
     )
 
 
+def launch_node(
+    rank: int, port: int, server: str, script: list[str], *flags: str, **popen: Any
+) -> subprocess.Popen[Any]:
+    """``python -m worker_agent launch`` as node ``rank`` of two, one process each, the master
+    on 127.0.0.1:``port``, reporting to ``server`` for job ``j`` (token ``t``); ``flags`` go
+    before the script, ``popen`` to ``subprocess.Popen``."""
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "worker_agent", "launch", "--nnodes", "2"),
+            *("--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1"),
+            *("--master-port", str(port), "--server", server, "--job", "j", *flags, *script),
+        ],
+        env=clean_environment(PITSTOP_AGENT_TOKEN="t", OMP_NUM_THREADS="1"),
+        cwd=REPO_ROOT,
+        **popen,
+    )
+
+
+def terminate(process: subprocess.Popen[Any], timeout: float = 30) -> None:
+    """SIGTERM ``process`` if it runs, then SIGKILL if it is still there after ``timeout``."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def carried_out(tmp: Path, node: str = "node-0") -> list[list[str]]:
     """The commands the toy ranks carried out: [device, id, action, generation] each."""
     path = tmp / f"toy-{node}.log"

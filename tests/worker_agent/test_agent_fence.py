@@ -24,7 +24,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
-from tests.worker_agent.helpers import ScriptedServer, poll
+from tests.worker_agent.helpers import ScriptedServer, poll, terminate
 from tests.worker_agent.trainer.reference import pipeline, plan, stage
 
 DP2 = plan(pipeline(2, stage(0, 0, 8)), pipeline(2, stage(1, 0, 8)))
@@ -98,7 +98,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         left_s = time.monotonic() - fenced_at
         time.sleep(5)  # longer than node-1's grace and a few of its heartbeats
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-        abort = client.get("d0/abort").decode() if client.check(["d0/abort"]) else None
+        aborted = client.check(["d0/abort"])
+        abort = client.get("d0/superseded").decode() if client.check(["d0/superseded"]) else None
         yield {
             "ack": ack,
             "state": state,
@@ -106,17 +107,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "later": _beat(servers["node-1"]),
             "faults": servers["node-1"].of_type("fault"),
             "abort": abort,
+            "aborted": aborted,
             "node-1 alive": agents["node-1"].poll() is None,
         }
     finally:
         for agent in agents.values():
-            if agent.poll() is None:
-                agent.terminate()
-                try:
-                    agent.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait(timeout=10)
+            terminate(agent)
         for server in servers.values():
             server.close()
 
@@ -128,7 +124,7 @@ def test_the_new_plan_is_applied_on_the_nodes_the_control_plane_hears(
 
 
 def test_the_superseded_generation_is_aborted_in_the_store(run: dict[str, Any]) -> None:
-    assert run["abort"] is not None, "no d0/abort: the superseded generation is not fenced"
+    assert run["aborted"] and run["abort"] is not None, "the old generation is not fenced"
     reason = json.loads(run["abort"])
     assert reason["superseded_by"] == "d1/" and reason["node"] == "node-0"
 

@@ -79,7 +79,7 @@ def test_the_entry_point_names_its_commands(capsys: pytest.CaptureFixture[str]) 
     assert entry.main([]) == 2
     assert entry.main(["nope"]) == 2
     out = capsys.readouterr()
-    assert "run,inject,simulate" in out.out and "unknown command 'nope'" in out.err
+    assert "run,launch,inject,simulate" in out.out and "unknown command 'nope'" in out.err
 
 
 def apply(plan: Any) -> protocol.Command:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
-from tests.worker_agent.helpers import ScriptedServer, poll
+from tests.worker_agent.helpers import ScriptedServer, launch_node, poll
 
 ENV_DUMP = str(REPO_ROOT / "tests" / "worker_agent" / "scripts" / "env_dump.py")
 LAUNCH = [sys.executable, "-m", "worker_agent", "launch"]
@@ -115,34 +115,8 @@ def test_a_plain_ddp_script_runs_unchanged_on_two_nodes_as_under_torchrun() -> N
     assert reference.returncode == 0, reference.stderr
     server, port = ScriptedServer(), free_port()
     try:
-        nodes = [
-            subprocess.Popen(
-                [
-                    *LAUNCH,
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--node-rank",
-                    str(rank),
-                    "--master-addr",
-                    "127.0.0.1",
-                    "--master-port",
-                    str(port),
-                    "--server",
-                    server.url,
-                    "--job",
-                    "j",
-                    *script,
-                ],
-                env=clean_environment(PITSTOP_AGENT_TOKEN="t", OMP_NUM_THREADS="1"),
-                cwd=REPO_ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rank in (0, 1)
-        ]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        nodes = [launch_node(rank, port, server.url, script, **pipes) for rank in (0, 1)]
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
         server.close()

@@ -25,11 +25,16 @@ from typing import Any
 import pytest
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
-from tests.worker_agent.helpers import ScriptedServer, children_of, poll
+from tests.worker_agent.helpers import (
+    ScriptedServer,
+    children_of,
+    launch_node,
+    poll,
+    terminate,
+)
 from tests.worker_agent.trainer.reference import pipeline, plan, stage
 
 SCRIPT = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
-LAUNCH = [sys.executable, "-m", "worker_agent", "launch"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LINE = re.compile(r"^rank (\d+) step (\d+) loss (\S+) restart (\d+) world (\d+)$", re.M)
 TIMEOUT_S = 120.0
@@ -45,38 +50,15 @@ class Nodes:
     def __init__(self, tmp: Path) -> None:
         self.tmp, port = tmp, free_port()
         self.servers = [ScriptedServer(), ScriptedServer()]
+        script = [SCRIPT, "--steps", "100000", "--step-s", "0.05"]
+        script += ["--checkpoint-dir", str(tmp / "checkpoint")]
         self.processes = [
-            subprocess.Popen(
-                [
-                    *LAUNCH,
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--node-rank",
-                    str(rank),
-                    "--master-addr",
-                    "127.0.0.1",
-                    "--master-port",
-                    str(port),
-                    "--max-restarts",
-                    "3",
-                    "--shutdown-timeout",
-                    "5",
-                    "--server",
-                    self.servers[rank].url,
-                    "--job",
-                    "j",
-                    SCRIPT,
-                    "--steps",
-                    "100000",
-                    "--step-s",
-                    "0.05",
-                    "--checkpoint-dir",
-                    str(tmp / "checkpoint"),
-                ],
-                env=clean_environment(PITSTOP_AGENT_TOKEN="t", OMP_NUM_THREADS="1"),
-                cwd=REPO_ROOT,
+            launch_node(
+                rank,
+                port,
+                self.servers[rank].url,
+                script,
+                *("--max-restarts", "3", "--shutdown-timeout", "5"),
                 stdout=(tmp / f"node-{rank}.out").open("wb"),
                 stderr=(tmp / f"node-{rank}.err").open("wb"),
             )
@@ -92,13 +74,7 @@ class Nodes:
 
     def close(self) -> None:
         for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=10)
+            terminate(process)
         for server in self.servers:
             server.close()
 
