@@ -17,7 +17,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.e2e.stack import NODES, SCENARIO, SETUP, Stack
+from tests.e2e.stack import NODES, SCENARIO, Stack, setup
 from worker_agent import protocol
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +106,7 @@ def deployments(tmp_path: Path) -> Iterator[list[Deployment]]:
     scenario = tmp_path / "scenario.json"
     scenario.write_text(json.dumps(SCENARIO))
     template.manage("migrate", "-v", "0")
-    made = json.loads(template.manage("shell", "-c", SETUP.format(path=str(scenario))))
+    made = json.loads(template.manage("shell", "-c", setup(scenario)))
     found: list[Deployment] = []
     try:
         for name, db, namespace in (("first", 0, None), ("second", 1, None), ("third", 0, "third")):

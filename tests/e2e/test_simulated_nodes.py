@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.stack import SCENARIO, SETUP, Stack
+from tests.e2e.stack import SCENARIO, Stack, setup
 from tests.processes import REPO_ROOT
 from worker_agent import sim
 
@@ -76,7 +76,7 @@ def training(stack: Stack) -> Iterator[Training]:
         fast["model"][layer] /= 100
     scenario = stack.tmp / "scenario.json"
     scenario.write_text(json.dumps(fast))
-    made = json.loads(stack.manage("shell", "-c", SETUP.format(path=str(scenario))))
+    made = json.loads(stack.manage("shell", "-c", setup(scenario)))
     for name in ("redis", "server", "worker", "detector"):
         stack.start(name)
     nodes = [simulate(stack, made, 0, scenario), simulate(stack, made, 1, scenario)]
