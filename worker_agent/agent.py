@@ -54,10 +54,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import urlparse
 
 from worker_agent import faults, link, protocol
-from worker_agent.connection import Uplink
+from worker_agent.connection import Uplink, server_url
 
 log = logging.getLogger("worker_agent.agent")
 AGENT_VERSION = "pitstop-agent 0.1"
@@ -223,6 +222,11 @@ def check_plan(
         if down and not stage.rerouted:
             return refused(f"uses device {down[0]}, whose trainer is not running", where)
     return None
+
+
+def plan_devices(plan: dict[str, Any]) -> set[int]:
+    """Every device a plan (the core's plan dict, already checked) runs a stage on."""
+    return {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
 
 
 def check_holders(command: protocol.Command, dead: set[int]) -> protocol.Error | None:
@@ -649,10 +653,7 @@ class Agent:
         if command.action is protocol.Action.APPLY_PLAN:
             if command.decision is not None and f"d{command.decision}/" != self.generation:
                 superseded, self.generation = self.generation, f"d{command.decision}/"
-            plan = command.plan or {}
-            self.plan_devices = {
-                d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]
-            }
+            self.plan_devices = plan_devices(command.plan or {})
         targets = [r for r in self.ranks.values() if r.alive]
         pending = Pending(command, {r.device for r in targets}, superseded=superseded)
         self.pending[command.id] = pending
@@ -943,9 +944,7 @@ def settings_from(argv: Sequence[str] | None) -> Settings:
         p.error("--devices: distinct device numbers ≥ 0, at least one")
     if len(devices) > protocol.MAX_DEVICES:
         p.error(f"--devices: at most {protocol.MAX_DEVICES}")
-    url = urlparse(args.server)
-    if url.scheme not in ("ws", "wss") or not url.hostname:
-        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
+    server_url(p, args.server)
     if args.store is not None:
         host, _, port = args.store.rpartition(":")
         if not host or not port.isdigit():

@@ -13,6 +13,7 @@ is sent and the node says ``goodbye``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 import websockets
 
@@ -234,6 +236,14 @@ class Uplink:
                 except Exception:  # a handler's bug loses that command, not the connection
                     log.exception("%s: command %s failed", self.node, frame.id)
         return True  # the server closed the socket: connect again
+
+
+def server_url(p: argparse.ArgumentParser, given: str) -> SplitResult:
+    """``--server`` parsed, or the command line refused: a ws:// or wss:// URL with a host."""
+    url = urlsplit(given)
+    if url.scheme not in ("ws", "wss") or not url.hostname:
+        p.error(f"--server: expected ws://HOST:PORT, got {given!r}")
+    return url
 
 
 def _unreadable_command(text: str | bytes, error: protocol.ProtocolError) -> protocol.Ack | None:

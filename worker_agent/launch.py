@@ -50,10 +50,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from worker_agent import protocol
-from worker_agent.agent import Agent, Settings, check_plan
+from worker_agent.agent import Agent, Settings, check_plan, plan_devices
+from worker_agent.connection import server_url
 
 log = logging.getLogger("worker_agent.launch")
 
@@ -96,20 +96,16 @@ class World:
             self, members=tuple(sorted(members)), restart_count=restart_count
         )
 
-    def error_file(self, device: int) -> str:
+    def error_file(self, device: int) -> Path:
         """Where ``torch.distributed.elastic``'s ``@record`` writes the process's uncaught
         exception: ``<error_dir>/attempt_<restart>/<local rank>/error.json``, as torchrun's."""
         local = device - self.node_rank * self.nproc_per_node
-        folder = Path(self.error_dir) / f"attempt_{self.restart_count}" / str(local)
-        folder.mkdir(parents=True, exist_ok=True)
-        return str(folder / "error.json")
+        return Path(self.error_dir) / f"attempt_{self.restart_count}" / str(local) / "error.json"
 
     def exit_detail(self, device: int) -> str | None:
         """The exception the process's ``@record`` wrote to its error file, if it did."""
-        path = Path(self.error_dir) / f"attempt_{self.restart_count}"
-        path = path / str(device - self.node_rank * self.nproc_per_node) / "error.json"
         try:
-            message = json.loads(path.read_text())["message"]
+            message = json.loads(self.error_file(device).read_text())["message"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
         text = message.get("message") if isinstance(message, dict) else message
@@ -118,6 +114,8 @@ class World:
     def environment(self, device: int) -> dict[str, str]:
         """What torchrun's elastic agent puts in the environment of the process of global rank
         ``device`` (``LocalElasticAgent._start_workers``), with one role, ``default``."""
+        error_file = self.error_file(device)
+        error_file.parent.mkdir(parents=True, exist_ok=True)  # @record writes only the file
         everyone = self.everyone
         here = [d for d in everyone if d in self.devices]
         # nodes are blocks of nproc_per_node devices; a node's group rank is its place among
@@ -144,7 +142,7 @@ class World:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
             ),
-            "TORCHELASTIC_ERROR_FILE": self.error_file(device),
+            "TORCHELASTIC_ERROR_FILE": str(error_file),
             # torchrun's own environment, which its processes inherit
             "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,
         }
@@ -224,8 +222,7 @@ class Launcher(Agent):
         self.uplink.ack(ack)
 
     async def _restart(self, command: protocol.Command) -> None:
-        plan = command.plan or {}
-        members = sorted({d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]})
+        members = sorted(plan_devices(command.plan or {}))
         if command.decision is not None:
             self.generation = f"d{command.decision}/"
         self.plan_devices = set(members)
@@ -364,9 +361,7 @@ def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
     world = _world(p, args)
     if not args.job or not args.token:
         p.error("--job and --token are needed (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN)")
-    url = urlparse(args.server)
-    if url.scheme not in ("ws", "wss") or not url.hostname:
-        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
+    server_url(p, args.server)
     if len(world.devices) > protocol.MAX_DEVICES:
         p.error(f"--nproc-per-node: at most {protocol.MAX_DEVICES}")
     settings = Settings(

@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 from worker_agent import protocol
-from worker_agent.connection import Uplink
+from worker_agent.connection import Uplink, server_url
 
 log = logging.getLogger("worker_agent.sim")
 MAX_NODES = 4096
@@ -248,10 +247,8 @@ def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> Non
         p.error("--devices-per-node must be ≥ 1 and --first-node ≥ 0")
     if not args.step_time > 0 or args.restore_s < 0:
         p.error("--step-time must be > 0 and --restore-s ≥ 0")
-    url = urlparse(args.server)
-    if url.scheme not in ("ws", "wss") or not url.hostname:
-        p.error(f"--server: expected ws://HOST:PORT, got {args.server!r}")
-    if not args.allow_remote and not _loopback(url.hostname):
+    url = server_url(p, args.server)
+    if not args.allow_remote and not _loopback(url.hostname or ""):
         p.error(f"--server {url.hostname} is not on loopback; add --allow-remote to mean it")
 
 

@@ -6,8 +6,18 @@ from controlplane.recovery import policies
 from controlplane.recovery.causes import COLOURS, Cause
 from controlplane.recovery.codes import Code, Option
 from controlplane.recovery.model import FailureKind
+from controlplane.recovery.policies.restart import PROCESS_FAULTS
 
-__all__ = ["COLOURS", "Cause", "Code", "FailureKind", "Option", "describe_policies", "policy_names"]
+__all__ = [
+    "COLOURS",
+    "PROCESS_FAULTS",
+    "Cause",
+    "Code",
+    "FailureKind",
+    "Option",
+    "describe_policies",
+    "policy_names",
+]
 
 
 def policy_names() -> list[str]:

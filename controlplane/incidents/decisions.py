@@ -16,7 +16,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.bridge import rows
-from controlplane.bridge.vocabulary import FailureKind
+from controlplane.bridge.vocabulary import PROCESS_FAULTS, FailureKind
 from controlplane.incidents import applying
 from controlplane.incidents.models import (
     OPEN,
@@ -174,10 +174,6 @@ def record_idle_failure(
         _detected(failure, None)
     log.info("failure.recorded_idle", job=job.pk, failure=failure.pk, kind=kind, devices=devices)
     return failure
-
-
-# Faults of a process, not of its device: a restart may run a new process there.
-PROCESS_FAULTS = (FailureKind.CRASH, FailureKind.HANG, FailureKind.NAN)
 
 
 def _restartable(job: Job, down: set[int]) -> set[int]:
