@@ -16,7 +16,7 @@ Each repetition waits for step 12, SIGKILLs the process of rank 1 and times unti
 step line of a restarted script (``restart`` ≥ 1) is read from the output. The ratio is
 Pitstop's median over torchrun's.
 
-    python -m benchmarks.launch_restart [--repeats 3] [--out PATH]
+    python -m benchmarks.launch_restart [--repeats 3] [--timeout 120] [--out PATH]
 
 Bounded (every wait has a deadline), loopback only; a fresh data directory per run.
 """
@@ -48,7 +48,6 @@ SCRIPT = ROOT / "examples" / "torchrun_ddp.py"
 SCENARIO = ROOT / "examples" / "torchrun-ddp-2x1.json"
 LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
 WARMUP_STEPS = 12
-TIMEOUT_S = 120.0
 OPEN = ("planning", "proposed", "approved", "overridden", "auto_applied", "applying")
 
 
@@ -80,6 +79,8 @@ def one_run(
     out: Path,
     env: dict[str, str],
     then: Callable[[], dict[str, Any]] | None = None,
+    *,
+    timeout: float,
 ) -> dict[str, Any]:
     """Start ``argv``, kill rank 1 once trained, time until a restarted process stepped; what
     ``then`` adds, read while it still runs."""
@@ -90,7 +91,7 @@ def one_run(
         wait_for(
             lambda: _seen(out, lambda ls: sum(1 for r, *_ in ls if r == 1) >= WARMUP_STEPS),
             "training",
-            TIMEOUT_S,
+            timeout,
         )
         victim = wait_for(lambda: _ranks(process.pid).get(1), "rank 1's process", 10)
         killed_at = time.monotonic()
@@ -98,7 +99,7 @@ def one_run(
         wait_for(
             lambda: _seen(out, lambda ls: any(n >= 1 for _, _, n, _ in ls)),
             "a step after a restart",
-            TIMEOUT_S,
+            timeout,
         )
         seconds = time.monotonic() - killed_at
         restarts = max(n for *_, n, _ in LINE.findall(out.read_bytes()))
@@ -115,7 +116,7 @@ def one_run(
             process.wait(timeout=10)
 
 
-def recovery(plane: ControlPlane, job: int) -> dict[str, Any]:
+def recovery(plane: ControlPlane, job: int, timeout: float) -> dict[str, Any]:
     """The job's recovery once it ended (its first step under the plan seen), with its
     timeline's phases."""
 
@@ -124,7 +125,7 @@ def recovery(plane: ControlPlane, job: int) -> dict[str, Any]:
         return found if found and found[0]["status"] not in OPEN else []
 
     try:
-        found = wait_for(ended, "the recovery's end", 30)
+        found = wait_for(ended, "the recovery's end", timeout)
     except TimeoutError:
         found = plane.api(f"/api/v1/recoveries/?job={job}")["results"]
     if not found:
@@ -136,10 +137,17 @@ def recovery(plane: ControlPlane, job: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="kills per launcher")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds each wait may take (training, "
+        "training again, the recovery's end); a run past it counts as failed",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/launch_restart.json")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be ≥ 1")
+    if args.repeats < 1 or not args.timeout > 0:
+        parser.error("--repeats must be ≥ 1 and --timeout > 0")
     scenario = json.loads(SCENARIO.read_text())
     scenario["cluster"]["devices_per_node"] = 2  # both processes on this one node
     rows: dict[str, list[dict[str, Any]]] = {"torchrun": [], "pitstop": []}
@@ -170,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                 ]  # fmt: skip
                 flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
                 base = [sys.executable, "-m", "torch.distributed.run", *flags, *script[:1]]
-                torchrun = one_run([*base, *script[1:]], data / f"torchrun-{i}.out", env)
+                torchrun = one_run(
+                    [*base, *script[1:]], data / f"torchrun-{i}.out", env, timeout=args.timeout
+                )
                 rows["torchrun"].append(torchrun)
                 progress.update()
                 (data / f"checkpoint-{i}" / "checkpoint.pt").unlink(missing_ok=True)
@@ -182,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                     [*launch, *script],
                     data / f"pitstop-{i}.out",
                     {**env, "PITSTOP_AGENT_TOKEN": made[f"ddp-{i}"]["token"]},
-                    then=functools.partial(recovery, plane, made[f"ddp-{i}"]["id"]),
+                    then=functools.partial(recovery, plane, made[f"ddp-{i}"]["id"], args.timeout),
+                    timeout=args.timeout,
                 )
                 rows["pitstop"].append(pitstop)
                 progress.update()

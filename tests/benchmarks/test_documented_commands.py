@@ -58,7 +58,8 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.recovery_e2e", None): (
         *("--policies", "rerouting", "--repeats", "1", "--warmup-steps", "3"),
     ),
-    ("benchmarks.launch_restart", None): ("--repeats", "1"),
+    # torchrun's restart sometimes never forms its group: a run waits 20 s at most for it
+    ("benchmarks.launch_restart", None): ("--repeats", "1", "--timeout", "20"),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),

@@ -315,6 +315,8 @@ class Browser:
         self.page.fill("#id_password", PASSWORD)
         with self.page.expect_response(lambda r: r.request.method == "POST") as posted:
             self.page.keyboard.press("Enter")
+        if posted.value.status == 302:  # the redirect's page loaded: a goto would cut it off
+            self.page.wait_for_url(lambda url: "/accounts/login/" not in url)
         return posted.value
 
     def close(self) -> None:
