@@ -235,6 +235,10 @@ PITSTOP_API_RATE_WHATIF = api_rate(
 PITSTOP_API_RATE_JOBS = api_rate(
     "PITSTOP_API_RATE_JOBS", env.str("PITSTOP_API_RATE_JOBS", default="30/min")
 )
+# every node of a job launched by pitstop-run asks for its job once, all at the same moment
+PITSTOP_API_RATE_LAUNCHES = api_rate(
+    "PITSTOP_API_RATE_LAUNCHES", env.str("PITSTOP_API_RATE_LAUNCHES", default="1000/min")
+)
 PITSTOP_API_RATE_SIMULATIONS = api_rate(
     "PITSTOP_API_RATE_SIMULATIONS", env.str("PITSTOP_API_RATE_SIMULATIONS", default="20/min")
 )

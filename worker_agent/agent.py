@@ -224,11 +224,6 @@ def check_plan(
     return None
 
 
-def plan_devices(plan: dict[str, Any]) -> set[int]:
-    """Every device a plan (the core's plan dict, already checked) runs a stage on."""
-    return {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
-
-
 def check_holders(command: protocol.Command, dead: set[int]) -> protocol.Error | None:
     """Why this node cannot take ``command``'s holders, or None: a holder is a device that
     must take part in the handover, so one of this node's whose rank is not running cannot be
@@ -653,7 +648,7 @@ class Agent:
         if command.action is protocol.Action.APPLY_PLAN:
             if command.decision is not None and f"d{command.decision}/" != self.generation:
                 superseded, self.generation = self.generation, f"d{command.decision}/"
-            self.plan_devices = plan_devices(command.plan or {})
+            self.plan_devices = protocol.plan_devices(command.plan)
         targets = [r for r in self.ranks.values() if r.alive]
         pending = Pending(command, {r.device for r in targets}, superseded=superseded)
         self.pending[command.id] = pending

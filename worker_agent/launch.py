@@ -18,6 +18,14 @@ The node is ``node-<node rank>`` (or ``--node-name``) and holds the global devic
 ``node_rank × nproc_per_node`` onward, one per process: device ids are the global ranks, given
 by no one. ``--standalone`` is one node on this host, its master on 127.0.0.1 and a free port.
 
+With an admin's API token instead of an agent token (``--api-token``, ``PITSTOP_API_TOKEN``)
+the job need not exist: every node asks the control plane for it (``POST /api/v1/jobs/launch/``)
+and gets an agent token of its own; the first creates it from the command line
+(``job_scenario``: ``--nnodes`` × ``--nproc-per-node`` devices, one data-parallel replica a
+process, the ``restart`` policy, or ``restart_shrink`` down to ``MIN`` nodes for
+``--nnodes MIN:MAX``). A node that joins in a lost one's place (its node rank) takes it: the
+control plane restarts the job with it when no policy could go on without it.
+
 Why not torchrun's own elastic agent, with a Pitstop rendezvous backend: that agent restarts a
 node's workers by itself on any local failure (``--max-restarts``) and forms the next world
 from whichever nodes reach the rendezvous, whereas under Pitstop the control plane decides
@@ -46,13 +54,17 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from worker_agent import protocol
-from worker_agent.agent import Agent, Settings, check_plan, plan_devices
+from worker_agent.agent import Agent, Settings, check_plan
 from worker_agent.connection import server_url
 
 log = logging.getLogger("worker_agent.launch")
@@ -222,7 +234,7 @@ class Launcher(Agent):
         self.uplink.ack(ack)
 
     async def _restart(self, command: protocol.Command) -> None:
-        members = sorted(plan_devices(command.plan or {}))
+        members = sorted(protocol.plan_devices(command.plan))
         if command.decision is not None:
             self.generation = f"d{command.decision}/"
         self.plan_devices = set(members)
@@ -271,6 +283,20 @@ def parser() -> argparse.ArgumentParser:
         help="the job's agent token, one for every node (PITSTOP_AGENT_TOKEN)",
     )
     pitstop.add_argument(
+        "--api-token",
+        default=env("PITSTOP_API_TOKEN"),
+        help="instead of --token: an admin's API token; the job is created from this command"
+        " line by the first node that asks, and each node gets an agent token of its own"
+        " (PITSTOP_API_TOKEN)",
+    )
+    pitstop.add_argument(
+        "--approval-mode",
+        default=env("PITSTOP_APPROVAL_MODE", "auto"),
+        choices=("auto", "manual", "manual_with_timeout"),
+        help="with --api-token, for a job this launch creates: apply a recovery at once, or"
+        " wait for an operator (PITSTOP_APPROVAL_MODE; default auto)",
+    )
+    pitstop.add_argument(
         "--node-name",
         default=env("PITSTOP_NODE"),
         help="this node's name in the job (PITSTOP_NODE; default node-<node rank>)",
@@ -306,9 +332,10 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
         p.error(f"--node-rank {args.node_rank}: expected 0..{nnodes - 1}, with --nnodes ≥ 1")
     if args.max_restarts < 0:
         p.error("--max-restarts must be ≥ 0")
-    if args.standalone:
-        if nnodes != 1:
-            p.error("--standalone is one node: --nnodes 1")
+    if args.standalone and nnodes != 1:
+        p.error("--standalone is one node: --nnodes 1")
+    # torchrun's: one node with no port given is standalone; more nodes meet at 29500
+    if args.standalone or (nnodes == 1 and not args.rdzv_endpoint and args.master_port is None):
         with socket.socket() as probe:  # a free port, as torchrun's standalone store takes
             probe.bind(("127.0.0.1", 0))
             addr, port = "127.0.0.1", int(probe.getsockname()[1])
@@ -318,7 +345,7 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
             p.error(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
         port = int(given)
     else:
-        addr, port = args.master_addr, int(args.master_port)
+        addr, port = args.master_addr, int(args.master_port or 29500)
     run_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
     errors = tempfile.mkdtemp(prefix=f"pitstop-run-{run_id}-")
     return World(
@@ -352,23 +379,136 @@ def _shutdown_timeout(args: argparse.Namespace) -> float:
     return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
 
 
+def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
+    """The scenario of a job a launcher creates (docs/scenario.md): ``nnodes`` × ``nproc``
+    devices, ``nproc`` a node, one data-parallel replica a process (as DDP runs), each a
+    pipeline of one stage; the ``restart`` policy, or ``restart_shrink`` down to ``min_nodes``
+    nodes. The model is not measured: its profile is a placeholder of one layer, enough for the
+    restart policy, whose choice (in place, on spares, smaller) does not depend on it."""
+    devices = world.nnodes * world.nproc_per_node
+    stage = {"layers": [0, 1]}
+    policies: dict[str, dict[str, Any]] = {"restart": {}}
+    if min_nodes < world.nnodes:
+        policies = {"restart_shrink": {"min_replicas": min_nodes * world.nproc_per_node}}
+    return {
+        "model": {
+            "name": f"{Path(script).name} (not profiled)",
+            "layers": 1,
+            "fwd_s": 0.01,
+            "bwd_s": 0.02,
+            "m_p": 1.0,
+            "m_o": 0.0,
+            "m_g": 1.0,
+            "m_a": 1.0,
+        },
+        "cluster": {
+            "devices": devices,
+            "devices_per_node": world.nproc_per_node,
+            "device_memory_bytes": 8e10,
+            "intra_node_gbps": 100,
+            "inter_node_gbps": 10,
+            "failure_rate_per_device_hour": 0.001,
+        },
+        "training": {"global_batch": devices, "micro_batch": 1},
+        "plan": {
+            "pipelines": [
+                {"stages": [{"devices": [d], **stage}], "micro_batches": 1} for d in range(devices)
+            ]
+        },
+        "policies": policies,
+    }
+
+
+class LaunchRefused(Exception):
+    """The control plane refused this node's job (the message says why), or was not reached."""
+
+
+def ask_for_job(
+    server: str,
+    api_token: str,
+    name: str,
+    scenario: dict[str, Any],
+    *,
+    approval_mode: str = "auto",
+    patience_s: float = 60.0,
+) -> tuple[str, bool]:
+    """This node's agent token for the job ``name`` and whether this call created the job
+    (``POST /api/v1/jobs/launch/`` with an admin's API token), trying again while the control
+    plane cannot be reached or asks to wait (429), for ``patience_s`` at most."""
+    url = urlsplit(server)
+    endpoint = f"{'https' if url.scheme == 'wss' else 'http'}://{url.netloc}/api/v1/jobs/launch/"
+    body = {
+        "name": name,
+        "scenario": scenario,
+        "enabled_policies": list(scenario["policies"]),
+        "approval_mode": approval_mode,
+    }
+    request = urllib.request.Request(
+        endpoint,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Token {api_token}", "Content-Type": "application/json"},
+    )
+    deadline = time.monotonic() + patience_s
+    while True:
+        wait_s = 1.0
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answer = json.load(response)
+            return str(answer["agent_token"]), bool(answer["created"])
+        except urllib.error.HTTPError as exc:
+            try:
+                error = json.loads(exc.read())
+            except ValueError:
+                error = {}
+            if exc.code != 429:
+                field = f" ({error['field']})" if error.get("field") else ""
+                said = error.get("message") or exc.reason
+                raise LaunchRefused(
+                    f"{endpoint} refused job {name!r}: {exc.code} {said}{field}"
+                ) from None
+            wait_s = float(exc.headers.get("Retry-After") or 1)
+            why = "throttled"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            why = str(getattr(exc, "reason", exc))
+        if time.monotonic() + wait_s > deadline:
+            raise LaunchRefused(f"{endpoint}: no answer in {patience_s:.0f} s (last: {why})")
+        log.warning("asking for job %s: %s; again in %.0f s", name, why, wait_s)
+        time.sleep(wait_s)
+
+
 def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
+    from torch.distributed.run import parse_min_max_nnodes
+
     p = parser()
     args = p.parse_args(argv)
     for name, default in IGNORED.items():
         if getattr(args, name, default) not in (default, None):
             log.warning("--%s is torchrun's and is not honoured here", name.replace("_", "-"))
     world = _world(p, args)
-    if not args.job or not args.token:
-        p.error("--job and --token are needed (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN)")
+    if not args.job or not (args.token or args.api_token):
+        p.error(
+            "--job and --token (or --api-token) are needed"
+            " (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN or PITSTOP_API_TOKEN)"
+        )
     server_url(p, args.server)
+    token = args.token
+    if token is None:
+        min_nodes, _ = parse_min_max_nnodes(args.nnodes)
+        scenario = job_scenario(world, min_nodes, args.training_script)
+        try:
+            token, created = ask_for_job(
+                args.server, args.api_token, args.job, scenario, approval_mode=args.approval_mode
+            )
+        except LaunchRefused as exc:
+            p.exit(2, f"{p.prog}: {exc}\n")
+        log.info("job %s %s", args.job, "created" if created else "joined")
     if len(world.devices) > protocol.MAX_DEVICES:
         p.error(f"--nproc-per-node: at most {protocol.MAX_DEVICES}")
     settings = Settings(
         server=args.server,
         job=args.job,
         node=args.node_name or f"node-{world.node_rank}",
-        token=args.token,
+        token=token,
         devices=world.devices,
         command=_command(p, args),
         grace_s=_shutdown_timeout(args),
@@ -380,8 +520,8 @@ def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, world = settings_from(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings, world = settings_from(argv)
     log.info(
         "node %s: ranks %s of %d, master %s:%d",
         settings.node,

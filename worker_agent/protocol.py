@@ -393,6 +393,14 @@ def parse_server_frame(raw: str | bytes) -> Welcome | Command | Error:
         raise _refused(exc) from None
 
 
+def plan_devices(plan: Any) -> set[int]:
+    """Every device a plan (the core's plan dict, as ``apply_plan`` carries it and a job keeps
+    it) runs a stage on; none for anything that is not a plan."""
+    if not isinstance(plan, dict):
+        return set()
+    return {d for p in plan.get("pipelines", ()) for s in p["stages"] for d in s["devices"]}
+
+
 def encode(frame: _Frame) -> str:
     """A frame as the JSON text sent on the socket (fields left at None are left out)."""
     return frame.model_dump_json(exclude_none=True)

@@ -1,8 +1,9 @@
 """Per-user limits on the API calls whose cost the caller controls: what-if, creating jobs and
-agent tokens, starting simulation sweeps, sending drills. A view names the scope of each such
-action in ``throttle_scopes``; the rate of a scope is the setting ``PITSTOP_API_RATE_<SCOPE>``
-(e.g. ``30/min``). The counts live in Django's cache (Redis, under the deployment's prefix), so
-every server process shares them; one call too many is a 429 ``throttled`` with Retry-After."""
+agent tokens, launchers' nodes asking for their job, starting simulation sweeps, sending
+drills. A view names the scope of each such action in ``throttle_scopes``; the rate of a scope
+is the setting ``PITSTOP_API_RATE_<SCOPE>`` (e.g. ``30/min``). The counts live in Django's
+cache (Redis, under the deployment's prefix), so every server process shares them; one call too
+many is a 429 ``throttled`` with Retry-After."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from rest_framework.throttling import ScopedRateThrottle
 
 log = structlog.get_logger(__name__)
 
-SCOPES = ("whatif", "jobs", "simulations", "drills")
+SCOPES = ("whatif", "jobs", "launches", "simulations", "drills")
 
 
 class CostThrottle(ScopedRateThrottle):

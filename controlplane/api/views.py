@@ -38,7 +38,7 @@ from controlplane.incidents.models import (
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
-from controlplane.jobs.services import create_job, issue_agent_token
+from controlplane.jobs.services import create_job, issue_agent_token, launch_job
 from controlplane.simulations import sweeps
 from controlplane.simulations.models import Sweep
 
@@ -165,6 +165,7 @@ class JobViewSet(
     throttle_scopes: ClassVar[dict[str, str]] = {
         "create": "jobs",
         "tokens": "jobs",
+        "launch": "launches",
         "what_if": "whatif",
         "drills": "drills",
     }
@@ -184,6 +185,21 @@ class JobViewSet(
         job, token = create_job(**given.validated_data)
         shown = s.JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data
         return Response({"job": shown, "agent_token": token}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.JobCreateSerializer, responses={200: dict, 201: dict, 429: THROTTLED})
+    @action(detail=False, methods=["post"], permission_classes=[CanAdminister])
+    def launch(self, request: Request) -> Response:
+        """The job for a launcher's node (``pitstop-run`` with an admin's API token): created
+        from the scenario when no job has the name (201), else the existing job, which must
+        have as many devices (200); either way with a new agent token, shown once."""
+        given = s.JobCreateSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        job, token, created = launch_job(**given.validated_data)
+        shown = s.JobDetailSerializer(self.get_queryset().get(pk=job.pk)).data
+        return Response(
+            {"job": shown, "agent_token": token, "created": created},
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
 
     @extend_schema(request=s.AgentTokenSerializer, responses={201: dict, 429: THROTTLED})
     @action(detail=True, methods=["post"], permission_classes=[CanAdminister])

@@ -47,6 +47,7 @@ from controlplane.jobs.models import (
 )
 from controlplane.streaming import hub
 from worker_agent import protocol
+from worker_agent.protocol import plan_devices
 
 log = structlog.get_logger(__name__)
 
@@ -118,12 +119,6 @@ def restore_mode(decision: RecoveryDecision) -> protocol.RestoreMode | None:
     return RESTORE_BY_POLICY.get(policy) if isinstance(policy, str) else None
 
 
-def _plan_devices(plan: Any) -> set[int]:
-    if not isinstance(plan, dict):
-        return set()
-    return {d for p in plan.get("pipelines", ()) for s in p["stages"] for d in s["devices"]}
-
-
 def live_holders(job: Job, plan: Any, nodes: Iterable[Node]) -> list[int] | None:
     """The devices of the job's plan so far that are alive on ``nodes`` (those the command goes
     to), when ``plan`` leaves one of them out; None when it keeps them all.
@@ -134,7 +129,7 @@ def live_holders(job: Job, plan: Any, nodes: Iterable[Node]) -> list[int] | None
     such a device sends what it is asked for and then idles. When the new plan keeps every
     live device, the field is left out and the command is what it was before the field existed.
     """
-    before, after = _plan_devices(job.plan), _plan_devices(plan)
+    before, after = plan_devices(job.plan), plan_devices(plan)
     if before <= after:
         return None
     on_nodes = Device.objects.filter(job=job, node__in=list(nodes)).exclude(
@@ -149,7 +144,7 @@ def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
 
     A plan uses a failed device only when it restarts a process's fault in place (the
     ``restart`` policy: the device runs the new process), so every device it uses is healthy."""
-    used = {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+    used = plan_devices(plan)
     Job.objects.filter(pk=job.pk).update(plan=plan)
     devices = Device.objects.filter(job=job)
     devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
@@ -293,7 +288,7 @@ def training_commands(decision: RecoveryDecision) -> QuerySet[AgentCommand]:
     again and make a step. A node whose devices the plan leaves out (a standby, a spare nobody
     took) is sent the plan and acknowledges it, but has nothing to train."""
     plan = decision.plan or {}
-    devices = {d for p in plan.get("pipelines", ()) for s in p["stages"] for d in s["devices"]}
+    devices = plan_devices(plan)
     return AgentCommand.objects.filter(
         decision=decision, node__devices__index__in=devices
     ).distinct()

@@ -25,6 +25,7 @@ from controlplane.incidents.models import (
     Failure,
     FailureSource,
     RecoveryDecision,
+    TimelineEvent,
 )
 from controlplane.incidents.transitions import IllegalTransition, record, transition
 from controlplane.jobs import lifecycle, liveness
@@ -39,6 +40,7 @@ from controlplane.jobs.models import (
     heavy,
 )
 from controlplane.jobs.services import failed_devices
+from worker_agent.protocol import plan_devices
 
 log = structlog.get_logger(__name__)
 
@@ -121,6 +123,7 @@ def record_failure(
                     failure=failure,
                     decision=open_decision,
                     devices=devices,
+                    failure_kind=kind,  # its own: ``_restartable`` reads it per device
                     merged_into=failure.pk,
                     detection_latency_s=_latency(occurred_at, now),
                     step=step,
@@ -177,12 +180,15 @@ def record_idle_failure(
 
 
 def _restartable(job: Job, down: set[int]) -> set[int]:
-    """Those of ``down`` whose latest failure was their process's (crash, hang, NaN) on a node
-    whose agent is connected: a coordinated restart may run on them again (``restart``)."""
+    """Those of ``down`` whose latest report was their process's fault (crash, hang, NaN) on a
+    node whose agent is connected: a coordinated restart may run on them again (``restart``).
+    Per device, as each was reported (its ``failure_detected`` event), also when it joined a
+    failure of another kind (a node lost, and its peer's rank crashing with it)."""
     latest: dict[int, str] = {}
-    failures = Failure.objects.filter(job=job).order_by("detected_at", "pk")
-    for kind, devices in failures.values_list("kind", "devices"):
-        latest.update((d, kind) for d in devices if d in down)
+    reports = TimelineEvent.objects.filter(job=job, kind=EventKind.FAILURE_DETECTED)
+    for payload in reports.order_by("at", "pk").values_list("payload", flat=True):
+        kind = payload.get("failure_kind")
+        latest.update((d, kind) for d in payload.get("devices", ()) if d in down)
     process = [d for d, kind in latest.items() if kind in PROCESS_FAULTS]
     connected = Device.objects.filter(
         job=job, index__in=process, node__status__in=lifecycle.CONNECTED
@@ -280,8 +286,10 @@ def _proposed(
         "codes": {c["policy"]: c["code"] for c in answer["candidates"]},
     }
     if chosen is None:
+        # until a node joins in a lost one's place (``node_came_back``)
         transition(decision.pk, DecisionStatus.FAILED, actor="planner", payload=summary,
-                   decision=answer, reason="no policy can recover the job")  # fmt: skip
+                   decision=answer, reason="no policy can recover the job with the devices it"
+                   " has")  # fmt: skip
         Job.objects.filter(pk=job.pk).update(status=JobStatus.FAILED)
         return DecisionStatus.FAILED
     best_plan = answer["candidates"][chosen]["plan"]
@@ -445,7 +453,7 @@ def dismiss(
             reason=reason,
         )
         job = decision.job
-        used = {d for p in job.plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+        used = plan_devices(job.plan)
         devices = Device.objects.filter(job_id=job_id, index__in=back)
         devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
         devices.exclude(index__in=used).update(state=DeviceState.SPARE)
@@ -474,21 +482,54 @@ def _replan_taken_over(dismissed: RecoveryDecision, plan: Callable[[int], None] 
         .order_by("-created_at", "-pk")
         .first()
     )
-    if earlier is None:
-        return
-    job, failure = dismissed.job, earlier.failure
+    if earlier is not None:
+        _plan_again(dismissed.job, earlier.failure, plan, replans_after=dismissed.pk)
+
+
+def node_came_back(
+    job_id: int, node_id: int, *, plan: Callable[[int], None] | None = None
+) -> RecoveryDecision | None:
+    """A failed node (lost, or never joined) said hello again, the lost host restarted or a
+    replacement in its place (``lifecycle.joined``). Unless a decision is open (it plans around
+    the node's devices, which stay failed), the node's failed devices are back in service: in
+    the running plan healthy, else spares. A job that no policy could recover with the devices
+    it had (``failed``, its latest decision failed) then plans again for that decision's
+    failure, now with them: the job waits for a replacement as long as its surviving agents
+    do. The new decision, or None."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        decided = RecoveryDecision.objects.select_related("failure").filter(job=job)
+        if decided.filter(status__in=OPEN).exists():
+            return None
+        used = plan_devices(job.plan)
+        devices = Device.objects.filter(node_id=node_id, state=DeviceState.FAILED)
+        back = sorted(devices.values_list("index", flat=True))
+        devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
+        devices.exclude(index__in=used).update(state=DeviceState.SPARE)
+        latest = decided.order_by("-created_at", "-pk").first()
+        log.info("node.came_back", job=job_id, node=node_id, devices=back)
+        if job.status != JobStatus.FAILED or latest is None:
+            return None
+        if latest.status != DecisionStatus.FAILED:
+            return None
+        Job.objects.filter(pk=job.pk).update(status=JobStatus.RECOVERING)
+        name = Node.objects.values_list("name", flat=True).get(pk=node_id)
+        return _plan_again(job, latest.failure, plan, replans_after=latest.pk, joined=name,
+                           devices_back=back)  # fmt: skip
+
+
+def _plan_again(
+    job: Job, failure: Failure, plan: Callable[[int], None] | None, **why: Any
+) -> RecoveryDecision:
+    """A new decision for ``failure`` (an earlier one's), handed to the planners after the
+    commit; ``why`` goes on its ``planning_started`` event."""
     decision = RecoveryDecision.objects.create(job=job, failure=failure)
-    record(
-        job,
-        EventKind.PLANNING_STARTED,
-        actor="system",
-        decision=decision,
-        failure=failure,
-        replans_after=dismissed.pk,
-    )
-    log.info("decision.replanned", decision=decision.pk, failure=failure.pk, after=dismissed.pk)
+    record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure,
+           **why)  # fmt: skip
+    log.info("decision.replanned", decision=decision.pk, failure=failure.pk, **why)
     if plan is not None:
         transaction.on_commit(lambda: plan(decision.pk))
+    return decision
 
 
 def _heard_nodes(job_id: int) -> set[str]:

@@ -32,6 +32,7 @@ from controlplane.incidents.tasks import enqueue_planning, requeue_orphaned, req
 from controlplane.jobs import lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, Node, NodeStatus, heavy
 from controlplane.streaming import hub
+from worker_agent.protocol import plan_devices
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +89,7 @@ def _never_joined(node_id: int, now: dt.datetime) -> int | None:
             "message": f"no hello within {lifecycle.join_deadline_s():g} s of being expected",
             "step": snapshot.job_step(node.job_id),
         }
-        used = {d for p in node.job.plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+        used = plan_devices(node.job.plan)
         if used.isdisjoint(devices):  # spares: capacity lost, nothing to recover
             decisions.record_idle_failure(node.job, **failure)
             return None

@@ -37,14 +37,18 @@ def join_deadline_s() -> float:
     return float(settings.PITSTOP_JOIN_DEADLINE_S)
 
 
-def joined(*, job_id: int, node_id: int) -> None:
+def joined(*, job_id: int, node_id: int) -> bool:
     """The node's agent said hello: the node has joined, and its job runs. The job's first
     hello (after ``pending``, ``stale`` or ``stopped``) starts the join deadline of its nodes
-    still expected again: their agents are started with the first one, not with the job."""
+    still expected again: their agents are started with the first one, not with the job.
+    True when the node had failed (lost, or never joined): it comes back as a new member, the
+    lost host restarted or a replacement in its place (``decisions.node_came_back``)."""
     now = timezone.now()
+    came_back = Node.objects.filter(pk=node_id, status=NodeStatus.FAILED).exists()
     Node.objects.filter(pk=node_id).update(status=NodeStatus.HEALTHY, joined_at=now)
     if Job.objects.filter(pk=job_id, status__in=RESUMABLE).update(status=JobStatus.RUNNING):
         Node.objects.filter(job_id=job_id, status=NodeStatus.EXPECTED).update(expected_at=now)
+    return came_back
 
 
 def left(*, job_id: int, node_id: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from controlplane.bridge import rows
 from controlplane.jobs import lifecycle
@@ -15,7 +15,9 @@ from controlplane.jobs.models import (
     DeviceState,
     Job,
     Node,
+    heavy,
 )
+from worker_agent.protocol import plan_devices
 
 
 @transaction.atomic
@@ -46,19 +48,23 @@ def create_job(
         raise rows.InvalidScenario(f"a job named {name!r} exists already", field="name")
     devices, spares, per_node = rows.cluster_layout(parsed)
     plan = scenario["plan"]
-    job = Job.objects.create(
-        name=name,
-        scenario=scenario,
-        plan=plan,
-        approval_mode=approval_mode,
-        approval_timeout_s=approval_timeout_s,
-        enabled_policies=policies,
-    )
+    try:
+        with transaction.atomic():  # two launchers creating the job at once: one wins
+            job = Job.objects.create(
+                name=name,
+                scenario=scenario,
+                plan=plan,
+                approval_mode=approval_mode,
+                approval_timeout_s=approval_timeout_s,
+                enabled_policies=policies,
+            )
+    except IntegrityError:
+        raise rows.InvalidScenario(f"a job named {name!r} exists already", field="name") from None
     total = devices + spares
     nodes = Node.objects.bulk_create(
         Node(job=job, name=f"node-{i}", index=i) for i in range(-(-total // per_node))
     )
-    used = {d for p in plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+    used = plan_devices(plan)
     failed = set(scenario.get("failed", ()))
     Device.objects.bulk_create(
         Device(
@@ -75,6 +81,34 @@ def create_job(
     )
     _, token = AgentToken.issue(job)
     return job, token
+
+
+def launch_job(name: str, scenario: Any, **options: Any) -> tuple[Job, str, bool]:
+    """The job ``name`` for a launcher's node (``pitstop-run`` with an admin's API token):
+    created from ``scenario`` and ``options`` (as ``create_job``) when it does not exist, else
+    the existing one, which must have as many devices as ``scenario``; returns the job, an agent
+    token for it and whether it was created. Every node of a job launches with the same
+    command, so whichever comes first creates it and the others join it."""
+    for _ in range(2):
+        job = Job.objects.filter(name=name).defer(*heavy()).first()
+        if job is None:
+            try:
+                created, token = create_job(name, scenario, **options)
+            except rows.InvalidScenario as exc:
+                if exc.field == "name":
+                    continue  # another node created it meanwhile
+                raise
+            return created, token, True
+        devices, spares, _ = rows.cluster_layout(rows.parse_scenario(scenario))
+        has = Device.objects.filter(job=job).count()
+        if has != devices + spares:
+            raise rows.InvalidScenario(
+                f"job {name} has {has} devices, this launch {devices + spares}: launch it with"
+                " the same --nnodes and --nproc-per-node as its other nodes, or name another job",
+                field="scenario",
+            )
+        return job, AgentToken.issue(job)[1], False
+    raise rows.InvalidScenario(f"job {name!r} could not be created or found", field="name")
 
 
 def issue_agent_token(job: Job, *, node: str | None = None) -> str:

@@ -52,6 +52,8 @@ class Code(StrEnum):
     DOMINATED = "dominated"
     # none of an adaptive policy's options applies; the note gives each option's code
     NO_OPTION = "no_option"
+    # a smaller world would keep fewer replicas than the job's minimum (torchrun's --nnodes MIN)
+    TOO_FEW_REPLICAS = "too_few_replicas"
 
 
 class Option(StrEnum):

@@ -126,9 +126,10 @@ def _refuse_if_revoked(session: Session) -> None:
         raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
 
 
-def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
-    """The session a hello opens and the node's unfinished commands (sent again while the
-    agent was away, or not acknowledged before it left), or a fatal ``ProtocolError``."""
+def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished], bool]:
+    """The session a hello opens, the node's unfinished commands (sent again while the agent
+    was away, or not acknowledged before it left) and whether the node comes back from failed
+    (``lifecycle.joined``), or a fatal ``ProtocolError``."""
     if frame.version != protocol.VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
@@ -158,9 +159,9 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished]]:
             field="devices",
         )
     # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
-    lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    came_back = lifecycle.joined(job_id=job.pk, node_id=node.pk)
     session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned), token.pk)
-    return session, applying.unfinished(node.pk)
+    return session, applying.unfinished(node.pk), came_back
 
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
@@ -463,7 +464,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.tell(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:
-        session, unfinished = await in_thread(_hello)(frame)
+        session, unfinished, came_back = await in_thread(_hello)(frame)
         self.session = session
         # an older connection of the same node steps aside, in whichever process it is
         with contextlib.suppress(RedisError):
@@ -494,6 +495,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 self.awaited[command.id] = Awaited(True, command.resumed_step)
             else:
                 await self.command(command.frame)
+        if came_back:  # in a lost node's place: a job waiting for one plans again, with it
+            await in_thread(decisions.node_came_back)(
+                session.job_id, session.node_id, plan=enqueue_planning
+            )
 
     async def disconnect(self, code: int) -> None:
         await self.release(code=code)

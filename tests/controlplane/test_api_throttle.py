@@ -56,6 +56,7 @@ def test_one_what_if_too_many_is_429_with_retry_after_for_that_user_only(
 
 THROTTLED = {
     ("/api/v1/jobs/", "post"),
+    ("/api/v1/jobs/launch/", "post"),
     ("/api/v1/jobs/{id}/tokens/", "post"),
     ("/api/v1/jobs/{id}/what-if/", "post"),
     ("/api/v1/jobs/{id}/drills/", "post"),

@@ -39,17 +39,29 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         running.stop_all()
 
 
-def launch(stack: Stack, token: str, rank: int, port: int) -> None:
+def launch(
+    stack: Stack,
+    rank: int,
+    port: int,
+    *,
+    token: str | None = None,
+    api_token: str | None = None,
+    nnodes: str = "2",
+    job: str = "drill",
+) -> None:
+    """``pitstop-run`` for node ``rank`` with the job's agent token, or an admin's API token
+    (the job made by the first node that asks)."""
+    env = {**stack.env, "OMP_NUM_THREADS": "1"}
+    env.update({"PITSTOP_AGENT_TOKEN": token} if token else {"PITSTOP_API_TOKEN": api_token or ""})
     stack.processes[f"agent-node-{rank}"] = subprocess.Popen(
         [sys.executable, "-m", "worker_agent", "launch",
-         "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+         "--nnodes", nnodes, "--nproc-per-node", "1", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "3",
-         "--server", f"ws://127.0.0.1:{stack.port}", "--job", "drill",
+         "--server", f"ws://127.0.0.1:{stack.port}", "--job", job,
          SCRIPT, "--steps", "100000", "--step-s", "0.05",
          "--checkpoint-dir", str(stack.tmp / "checkpoint")],
-        env={**stack.env, "OMP_NUM_THREADS": "1", "PITSTOP_AGENT_TOKEN": token},
-        cwd=REPO_ROOT, stdout=(stack.tmp / f"node-{rank}.out").open("wb"),
-        stderr=(stack.tmp / f"agent-node-{rank}.log").open("wb"),
+        env=env, cwd=REPO_ROOT, stdout=(stack.tmp / f"node-{rank}.out").open("ab"),
+        stderr=(stack.tmp / f"agent-node-{rank}.log").open("ab"),
     )  # fmt: skip
 
 
@@ -68,7 +80,7 @@ def test_a_killed_rank_of_an_unmodified_script_is_restarted_from_its_checkpoint(
     token, job = made["api_token"], made["job"]
     port = free_port()
     for rank in (0, 1):
-        launch(stack, made["agent_token"], rank, port)
+        launch(stack, rank, port, token=made["agent_token"])
     live = f"/api/v1/jobs/{job}/live/"
     stack.wait(
         lambda: (
@@ -106,3 +118,103 @@ def test_a_killed_rank_of_an_unmodified_script_is_restarted_from_its_checkpoint(
     devices = stack.api(f"/api/v1/jobs/{job}/", token)["devices"]
     assert devices["healthy"] == 2 and devices["failed"] == 0
     print(f"launcher restart: kill to recovered {recovered_s:.1f} s")
+
+
+# ``manage.py shell -c`` text: a superuser and its API token, printed; no job.
+ADMIN = """
+from django.contrib.auth.models import User
+from rest_framework.authtoken.models import Token
+print(Token.objects.create(user=User.objects.create_superuser("root", password="x")).key)
+"""
+
+
+def latest_recovery(stack: Stack, token: str, job: int) -> dict[str, Any]:
+    found = stack.api(f"/api/v1/recoveries/?job={job}", token)["results"]
+    return found[0] if found else {}
+
+
+def test_nodes_make_their_job_and_a_node_in_a_lost_ones_place_brings_it_back(
+    stack: Stack,
+) -> None:
+    admin = stack.manage("shell", "-c", ADMIN)
+    for name in ("redis", "server", "worker"):
+        stack.start(name)
+    port = free_port()
+    for rank in (0, 1):  # no job, no agent token: an admin's API token only
+        launch(stack, rank, port, api_token=admin, job="selfmade")
+    jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
+    (job,) = [j["id"] for j in jobs if j["name"] == "selfmade"]
+    details = stack.api(f"/api/v1/jobs/{job}/", admin)
+    assert details["enabled_policies"] == ["restart"]
+    assert details["devices"]["healthy"] + details["devices"]["unheard"] == 2
+    live = f"/api/v1/jobs/{job}/live/"
+    stack.wait(
+        lambda: (
+            stack.api(live, admin)["nodes_connected"] == 2 and stack.api(live, admin)["step"] >= 8
+        ),
+        "both nodes training",
+        150,
+    )
+    # node-1's host goes away (its launcher and, with it, its rank): no spare, no smaller
+    # world allowed, so the job waits for a node in its place
+    stack.kill("agent-node-1")
+    waiting = stack.wait(
+        lambda: (
+            latest_recovery(stack, admin, job).get("status") == "failed"
+            and stack.api(f"/api/v1/jobs/{job}/", admin)["status"] == "failed"
+        ),
+        "the job waiting for a replacement",
+        60,
+    )
+    assert waiting
+    before = max(s for r, s, n, _ in steps(stack, 0) if n == 0)
+    replaced_at = time.monotonic()
+    launch(stack, 1, port, api_token=admin, job="selfmade")  # a new host, node rank 1
+    decision = stack.wait(
+        lambda: (d := latest_recovery(stack, admin, job)).get("status") == "recovered" and d,
+        "the recovery with the replacement",
+        120,
+    )
+    chosen = decision["candidates"][decision["chosen"]]
+    assert chosen["policy"] == "restart"
+    used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0, 1}
+    # both ranks train again, in a world of two, from node-0's last checkpoint
+    stack.wait(
+        lambda: (
+            {(r, w) for r, _, n, w in steps(stack, 0) + steps(stack, 1) if n >= 1}
+            == {(0, 2), (1, 2)}
+        ),
+        "both ranks training after the restart",
+        60,
+    )
+    again = [line for r in (0, 1) for line in steps(stack, r) if line[2] >= 1]
+    assert min(s for _, s, _, _ in again) == before - before % 5 + 1
+    timeline = stack.api(f"/api/v1/recoveries/{decision['id']}/timeline/?format=json", admin)
+    started = [e for e in timeline["results"] if e["kind"] == "planning_started"]
+    assert started and started[0]["payload"]["joined"] == "node-1"
+    print(f"replacement: joined to recovered {time.monotonic() - replaced_at:.1f} s")
+
+
+def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
+    stack: Stack,
+) -> None:
+    stack.env["PITSTOP_JOIN_DEADLINE_S"] = "6"
+    admin = stack.manage("shell", "-c", ADMIN)
+    for name in ("redis", "server", "worker", "detector"):
+        stack.start(name)
+    launch(stack, 0, free_port(), api_token=admin, nnodes="1:2", job="elastic")
+    # node-1 never comes: node-0's rank waits for it in its rendezvous, idle, until the join
+    # deadline fails node-1 and restart_shrink restarts node-0 alone (MIN is 1 node)
+    stack.wait(
+        lambda: any(w == 1 and n == 1 for _, _, n, w in steps(stack, 0)),
+        "node-0 training alone",
+        90,
+    )
+    (job,) = [j["id"] for j in stack.api("/api/v1/jobs/", admin)["results"]]
+    assert stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"] == ["restart_shrink"]
+    decision = latest_recovery(stack, admin, job)
+    assert decision["candidates"][decision["chosen"]]["policy"] == "restart_shrink"
+    failures = stack.api(f"/api/v1/failures/?job={job}", admin)["results"]
+    assert [(f["kind"], f["devices"]) for f in failures] == [("never_joined", [1])]
+    assert not [line for line in steps(stack, 0) if line[2] == 0]  # it never trained before

@@ -8,10 +8,13 @@ the script reloads its last checkpoint. Where it runs again:
   ``nan``): the device is still there, as torchrun's ``--max-restarts`` assumes. Only devices
   down by a process's fault (this failure's, or ``ClusterState.restartable``: an earlier one's,
   such as the peers a rank's death took down with it) may be down in the plan: a device down
-  for another reason (a node lost, one that never joined) is never reused.
+  for another reason (a node lost, one that never joined) is not reused while it is down.
+  Once its node joins again (the lost host restarted, or a replacement in its place) the
+  device is up, and the whole world restarts in place with it.
 - on **spares**, the broken replicas' devices swapped for idle ones (``replacement``).
 - with ``shrink``, on the **surviving replicas** alone, the data-parallel world made smaller
-  (torchrun's ``--nnodes MIN:MAX``); the global batch is kept by the survivors' micro-batches.
+  (torchrun's ``--nnodes MIN:MAX``), never below ``min_replicas`` (the launcher sets MIN's);
+  the global batch is kept by the survivors' micro-batches.
 
 Each pays the restart (``FullRestart``), the checkpoint's load and the steps since it.
 """
@@ -73,6 +76,7 @@ class RestartPolicy(SteadyCosts):
     """
 
     shrink: bool = False
+    min_replicas: int = 1  # shrink no further (the launcher's --nnodes MIN × --nproc-per-node)
     restart_s_per_device: float = FullRestart.s_per_device
     restart_offset_s: float = FullRestart.offset_s
     restart_min_s: float = FullRestart.min_s
@@ -88,10 +92,11 @@ class RestartPolicy(SteadyCosts):
         plan_devices = set(state.plan.devices())
         candidates: list[Candidate] = []
         # in place: only devices down by a process's fault (this failure's, or an earlier
-        # one's on a node still heard: ``state.restartable``) may be down in the plan
+        # one's on a node still heard: ``state.restartable``) may be down in the plan; the
+        # failure's other devices may be up again (a node joined in a lost one's place)
         mine = failure.devices if failure.kind in PROCESS_FAULTS else frozenset()
         reusable = mine | state.restartable
-        if failure.devices <= reusable and state.failed & plan_devices <= reusable:
+        if state.failed & plan_devices <= reusable:
             candidates.append(self._restart(state, state.plan, restart))
         broken = broken_stages(state)
         if broken:
@@ -106,6 +111,9 @@ class RestartPolicy(SteadyCosts):
             if smaller is None:
                 note = "every replica lost a device: no smaller world is left"
                 candidates.append(Candidate.declined(self.name, Code.NO_LIVE_REPLICA, note))
+            elif smaller.dp < self.min_replicas:
+                note = f"{smaller.dp} replicas would be left, fewer than {self.min_replicas}"
+                candidates.append(Candidate.declined(self.name, Code.TOO_FEW_REPLICAS, note))
             elif smaller.dp < state.plan.dp:
                 candidates.append(self._restart(state, smaller, restart))
         if not candidates:  # the fault hit no device of the plan: nothing to restart

@@ -86,3 +86,35 @@ def test_spares_take_the_lost_replicas_place() -> None:
 
 def test_only_jobs_that_ask_for_it_by_name_get_it() -> None:
     assert "restart" in policies.names() and "restart" not in policies.default_names()
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(dp=st.integers(2, 6), minimum=st.integers(1, 6), data=st.data())
+def test_shrinking_stops_at_the_jobs_minimum(dp: int, minimum: int, data: st.DataObject) -> None:
+    # one device a replica, as the launcher's jobs have: a lost device takes its replica out
+    lost = data.draw(st.sets(st.integers(0, dp - 1), min_size=1, max_size=dp - 1))
+    state = grid_state(layers=4, pp=1, dp=dp, micro_batches=dp, failed=sorted(lost))
+    failure = Failure(kind=FailureKind.NODE_LOST, devices=frozenset(lost))
+    policy = policies.get("restart_shrink", min_replicas=minimum)
+    candidates = policy.propose(state, failure)
+    left = dp - len(lost)
+    shrunk = [c for c in candidates if c.feasible]
+    if left >= minimum:
+        (candidate,) = shrunk
+        assert candidate.plan is not None and len(devices_of(candidate.plan)) == left
+    else:
+        assert not shrunk
+        assert Code.TOO_FEW_REPLICAS in [c.code for c in candidates]
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(dp=st.integers(2, 6), kind=st.sampled_from(LOST), data=st.data())
+def test_a_lost_device_up_again_restarts_the_whole_world_in_place(
+    dp: int, kind: FailureKind, data: st.DataObject
+) -> None:
+    # the failure named it, but its node joined again: nothing is down any more
+    lost = data.draw(st.sets(st.integers(0, dp - 1), min_size=1, max_size=dp))
+    state = grid_state(layers=4, pp=1, dp=dp, micro_batches=dp, failed=[])
+    failure = Failure(kind=kind, devices=frozenset(lost))
+    (candidate,) = [c for c in policies.get("restart").propose(state, failure) if c.feasible]
+    assert candidate.plan == state.plan and candidate.transition.restart_s > 0

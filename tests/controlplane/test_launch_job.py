@@ -1,0 +1,157 @@
+"""Nodes that register themselves: a launcher with an admin's API token asks for its job
+(``POST /api/v1/jobs/launch/``), the first creates it and the others join it, each with an
+agent token of its own; a node that joins in a lost one's place brings its devices back, and a
+job that no policy could recover without them plans again."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from controlplane.incidents import decisions
+from controlplane.incidents.models import DecisionStatus, EventKind, FailureSource
+from controlplane.jobs import lifecycle
+from controlplane.jobs.models import AgentToken, Device, Job, JobStatus, Node, NodeStatus
+from controlplane.jobs.services import create_job
+from tests.controlplane.test_api import client_as, post
+
+pytestmark = pytest.mark.django_db
+
+ROOT = Path(__file__).resolve().parents[2]
+# two nodes of one process each, one replica a process (as the launcher's jobs are)
+SCENARIO = json.loads((ROOT / "examples" / "torchrun-ddp-2x1.json").read_text())
+URL = "/api/v1/jobs/launch/"
+
+
+def launch(role: str, name: str, scenario: dict[str, Any] = SCENARIO) -> Any:
+    body = {"name": name, "scenario": copy.deepcopy(scenario), "enabled_policies": ["restart"]}
+    return post(client_as(role), URL, body)
+
+
+def test_the_first_node_creates_the_job_and_the_others_join_it_each_with_a_token() -> None:
+    first = launch("admin", "ddp")
+    assert first.status_code == 201, first.json()
+    assert first.json()["created"] is True
+    job = Job.objects.get(name="ddp")
+    assert job.enabled_policies == ["restart"] and job.status == JobStatus.PENDING
+    nodes = dict(Node.objects.filter(job=job).values_list("name", "status"))
+    assert nodes == {"node-0": NodeStatus.EXPECTED, "node-1": NodeStatus.EXPECTED}
+    tokens = [first.json()["agent_token"]]
+    for _ in range(2):
+        again = launch("admin", "ddp")
+        assert again.status_code == 200 and again.json()["created"] is False
+        assert again.json()["job"]["id"] == job.pk
+        tokens.append(again.json()["agent_token"])
+    assert len(set(tokens)) == 3  # one each, each good for the job
+    assert all(getattr(AgentToken.find(t), "job_id", None) == job.pk for t in tokens)
+    assert Job.objects.count() == 1
+
+
+def test_a_node_launched_with_another_world_is_refused_naming_the_scenario() -> None:
+    assert launch("admin", "ddp").status_code == 201
+    bigger = copy.deepcopy(SCENARIO)
+    bigger["cluster"]["devices"] = 3
+    bigger["training"]["global_batch"] = 48
+    bigger["plan"]["pipelines"].append(copy.deepcopy(bigger["plan"]["pipelines"][0]))
+    bigger["plan"]["pipelines"][2]["stages"][0]["devices"] = [2]
+    answer = launch("admin", "ddp", bigger)
+    assert answer.status_code == 400, answer.json()
+    assert answer.json()["field"] == "scenario"
+    assert "has 2 devices, this launch 3" in answer.json()["message"]
+    assert AgentToken.objects.count() == 1  # nothing issued
+
+
+@pytest.mark.parametrize("role", ["viewer", "operator"])
+def test_only_admins_launch(role: str) -> None:
+    answer = launch(role, "ddp")
+    assert answer.status_code == 403
+    assert not Job.objects.exists() and not AgentToken.objects.exists()
+
+
+def test_a_bad_scenario_is_refused_naming_its_field_and_nothing_is_made() -> None:
+    broken = copy.deepcopy(SCENARIO)
+    del broken["plan"]
+    answer = launch("admin", "ddp", broken)
+    assert answer.status_code == 400 and answer.json()["field"]
+    assert not Job.objects.exists()
+
+
+def _lose_node_1(job: Job) -> int:
+    """node-1's agent is gone (its socket closed): the decision, planned."""
+    node = Node.objects.get(job=job, name="node-1")
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
+    _, decision = decisions.record_failure(
+        job,
+        kind="node_lost",
+        devices=[1],
+        source=FailureSource.SOCKET,
+        occurred_at=timezone.now(),
+        node=node,
+    )
+    decisions.plan(decision.pk)
+    return decision.pk
+
+
+def test_a_job_no_policy_could_recover_plans_again_when_a_node_joins_in_the_lost_ones_place() -> (
+    None
+):
+    job, _ = create_job("ddp", copy.deepcopy(SCENARIO), enabled_policies=["restart"])
+    for node in Node.objects.filter(job=job):
+        lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    first = _lose_node_1(job)
+    # no spare, no smaller world allowed, the lost device not restartable: nothing to do yet
+    failed = decisions.RecoveryDecision.objects.get(pk=first)
+    assert failed.status == DecisionStatus.FAILED
+    assert [c["code"] for c in failed.candidates] == ["no_spare"]
+    assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED
+
+    node = Node.objects.get(job=job, name="node-1")
+    assert lifecycle.joined(job_id=job.pk, node_id=node.pk) is True  # came back from failed
+    again = decisions.node_came_back(job.pk, node.pk)
+    assert again is not None and again.failure_id == failed.failure_id
+    assert Device.objects.get(job=job, index=1).state == "healthy"  # in the running plan
+    assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING
+    started = again.events.get(kind=EventKind.PLANNING_STARTED).payload
+    assert started == {"replans_after": first, "joined": "node-1", "devices_back": [1]}
+
+    decisions.plan(again.pk)
+    applied = decisions.RecoveryDecision.objects.get(pk=again.pk)
+    assert applied.status == DecisionStatus.APPLYING
+    assert applied.chosen is not None
+    chosen = applied.candidates[applied.chosen]
+    assert chosen["policy"] == "restart"
+    used = {d for p in chosen["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0, 1}  # the whole world again, the replacement in the lost node's place
+
+
+def test_a_node_back_while_a_decision_is_open_changes_nothing_and_a_running_job_plans_nothing() -> (
+    None
+):
+    job, _ = create_job(
+        "ddp", copy.deepcopy(SCENARIO), approval_mode="manual", enabled_policies=["restart"]
+    )
+    node = Node.objects.get(job=job, name="node-1")
+    _lose_node_1(job)
+    # a decision open (here: made to look proposed): it plans around the node's devices,
+    # which stay failed
+    decisions.RecoveryDecision.objects.filter(job=job).update(status=DecisionStatus.PROPOSED)
+    lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    assert decisions.node_came_back(job.pk, node.pk) is None
+    assert Device.objects.get(job=job, index=1).state == "failed"
+    # none open, the job running (say, recovered on a smaller world): the devices come back
+    # (outside the plan: spares) and nothing plans
+    decisions.RecoveryDecision.objects.filter(job=job).update(status=DecisionStatus.RECOVERED)
+    Job.objects.filter(pk=job.pk).update(
+        status=JobStatus.RUNNING,
+        plan={"pipelines": [SCENARIO["plan"]["pipelines"][0]]},
+    )
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
+    assert lifecycle.joined(job_id=job.pk, node_id=node.pk) is True
+    assert decisions.node_came_back(job.pk, node.pk) is None
+    assert Device.objects.get(job=job, index=1).state == "spare"
+    assert decisions.RecoveryDecision.objects.filter(job=job).count() == 1
