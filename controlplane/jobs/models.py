@@ -28,7 +28,7 @@ class JobStatus(models.TextChoices):
     RECOVERING = "recovering"  # a failure is being handled
     STOPPED = "stopped"  # every agent that joined said goodbye
     STALE = "stale"  # no node heard for longer than the join deadline
-    FAILED = "failed"  # no policy could recover it
+    FAILED = "failed"  # no policy could recover it (until a node joins in a lost one's place)
 
 
 # Statuses of a job whose nodes are watched: the detector's sweep looks at these only.
