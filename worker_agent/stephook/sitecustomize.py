@@ -5,8 +5,11 @@ start-up. In the rank itself (its parent is the launcher: ``PITSTOP_STEP_HOOK`` 
 launcher's pid), a daemon thread waits for the script to import ``torch.optim`` and registers a
 global optimizer step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) that
 tells the launcher over the rank's link, in the link's JSON lines, that it trains and each
-step's number (counted from the process's start) and duration. That is how the launcher sees
-an unmodified script start training, hang (no step for long) or straggle. Only the first
+step's number and duration. The number is the optimizer's own where it keeps one (Adam and its
+kin hold ``step`` in their state, which a checkpoint restores, so a restarted script goes on
+from its checkpoint's step); otherwise the steps are counted from the process's start. That
+is how the launcher sees an unmodified script start training, hang (no step for long) or
+straggle. Only the first
 optimizer to step is counted, so a script with two steps each one once. Then the
 ``sitecustomize`` this one hides, if another folder on the path has one, runs as it would have.
 Nothing here imports more than the standard library.
@@ -44,8 +47,25 @@ class _Steps:
             return
         now = time.monotonic()
         self.count += 1
-        self.send({"t": "step", "step": self.count, "step_time_s": max(now - self.last, 0.0)})
+        step = _kept_step(optimizer) or self.count
+        self.send({"t": "step", "step": step, "step_time_s": max(now - self.last, 0.0)})
         self.last = now
+
+
+def _kept_step(optimizer: Any) -> int | None:
+    """The ``step`` the optimizer keeps for its first parameter, when it keeps one in host
+    memory (reading one on a GPU would wait for the GPU each step): None otherwise."""
+    try:
+        first = optimizer.param_groups[0]["params"][0]
+        held = optimizer.state.get(first, {}).get("step")
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+    if held is None or getattr(getattr(held, "device", None), "type", "cpu") != "cpu":
+        return None
+    try:
+        return int(held)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _watch(steps: _Steps) -> None:
