@@ -626,6 +626,11 @@ class Agent:
             devices=reports,
         )
 
+    async def _carried_out_here(self, command: protocol.Command) -> bool:
+        """True when this agent carries out ``command`` itself (and acknowledges it) rather
+        than send it to its ranks: none does here; the launcher's restart does."""
+        return False
+
     async def on_command(self, command: protocol.Command) -> None:
         done = self.outcomes.get(command.id)
         if done is not None:
@@ -643,6 +648,8 @@ class Agent:
             return
         if command.inject is not None:  # a drill: done here, at once, and acknowledged
             self._inject_for(command.id, command.inject)
+            return
+        if await self._carried_out_here(command):
             return
         superseded = None
         if command.action is protocol.Action.APPLY_PLAN:

@@ -208,21 +208,11 @@ class Launcher(Agent):
             return check_plan(command, set(self.settings.devices), set(), self.settings.layers)
         return super()._refusal(command)
 
-    async def on_command(self, command: protocol.Command) -> None:
+    async def _carried_out_here(self, command: protocol.Command) -> bool:
         if command.action is not protocol.Action.APPLY_PLAN:
-            await super().on_command(command)
-            return
-        done = self.outcomes.get(command.id)
-        if done is not None:
-            self.uplink.ack(done)
-            return
+            return False
         if command.id in self.restarting:
-            return
-        error = self._refusal(command)
-        if error is not None:
-            log.warning("command %s refused: %s", command.id, error.message)
-            self.uplink.ack(protocol.Ack(command=command.id, ok=False, at=time.time(), error=error))
-            return
+            return True  # sent again while under way: acknowledged when done
         self.restarting.add(command.id)
         try:
             async with self._one_at_a_time:
@@ -232,6 +222,7 @@ class Launcher(Agent):
         ack = protocol.Ack(command=command.id, ok=True, at=time.time())
         self.outcomes[command.id] = ack
         self.uplink.ack(ack)
+        return True
 
     async def _restart(self, command: protocol.Command) -> None:
         members = sorted(protocol.plan_devices(command.plan))
