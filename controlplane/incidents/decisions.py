@@ -179,21 +179,51 @@ def record_idle_failure(
     return failure
 
 
+def _latest_reports(job: Job, down: set[int]) -> dict[int, tuple[str | None, str]]:
+    """For each of ``down``, the kind and source of its latest report (its ``failure_detected``
+    event), also when it joined a failure of another kind (a node lost, and its peer's rank
+    crashing with it)."""
+    latest: dict[int, tuple[str | None, str]] = {}
+    reports = TimelineEvent.objects.filter(job=job, kind=EventKind.FAILURE_DETECTED)
+    for actor, payload in reports.order_by("at", "pk").values_list("actor", "payload"):
+        said = (payload.get("failure_kind"), actor)
+        latest.update((d, said) for d in payload.get("devices", ()) if d in down)
+    return latest
+
+
+def _on_connected_nodes(job: Job, devices: Iterable[int]) -> set[int]:
+    on = Device.objects.filter(job=job, index__in=devices, node__status__in=lifecycle.CONNECTED)
+    return set(on.values_list("index", flat=True))
+
+
 def _restartable(job: Job, down: set[int]) -> set[int]:
     """Those of ``down`` whose latest report was their process's fault (crash, hang, NaN) on a
-    node whose agent is connected: a coordinated restart may run on them again (``restart``).
-    Per device, as each was reported (its ``failure_detected`` event), also when it joined a
-    failure of another kind (a node lost, and its peer's rank crashing with it)."""
-    latest: dict[int, str] = {}
-    reports = TimelineEvent.objects.filter(job=job, kind=EventKind.FAILURE_DETECTED)
-    for payload in reports.order_by("at", "pk").values_list("payload", flat=True):
-        kind = payload.get("failure_kind")
-        latest.update((d, kind) for d in payload.get("devices", ()) if d in down)
-    process = [d for d, kind in latest.items() if kind in PROCESS_FAULTS]
-    connected = Device.objects.filter(
-        job=job, index__in=process, node__status__in=lifecycle.CONNECTED
+    node whose agent is connected: a coordinated restart may run on them again (``restart``)."""
+    latest = _latest_reports(job, down)
+    return _on_connected_nodes(
+        job, [d for d, (kind, _) in latest.items() if kind in PROCESS_FAULTS]
     )
-    return set(connected.values_list("index", flat=True))
+
+
+# Sources that report a node's silence (its socket closed, its heartbeats or hello missing)
+NODE_SILENT = (FailureSource.SOCKET, FailureSource.HEARTBEAT)
+
+
+def _back_meanwhile(job: Job) -> RecoveryDecision | None:
+    """After a decision failed: a node down for its silence that said hello again while it
+    planned (``node_came_back`` left its devices failed then) comes back now, and the job
+    plans again with it. The new decision, or None."""
+    down = failed_devices(job)
+    latest = _latest_reports(job, down)
+    back = _on_connected_nodes(
+        job, [d for d, (_, source) in latest.items() if source in NODE_SILENT]
+    )
+    nodes = Device.objects.filter(job=job, index__in=back).values_list("node_id", flat=True)
+    for node_id in sorted(set(nodes)):
+        again = node_came_back(job.pk, node_id)
+        if again is not None:
+            return again
+    return None
 
 
 def _new_failure(
@@ -269,7 +299,13 @@ def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | N
                 return locked.status
             if Failure.objects.get(pk=failure.pk).devices != seen:
                 continue  # more devices joined the failure while the core planned
-            return _proposed(decision, answer, schedule_timeout)
+            status = _proposed(decision, answer, schedule_timeout)
+        if status == DecisionStatus.FAILED:
+            # a lost node that joined again while this planned: plan again, with it
+            again = _back_meanwhile(job)
+            if again is not None:
+                return plan(again.pk, schedule_timeout=schedule_timeout)
+        return status
     raise RuntimeError(f"decision {decision_id}: devices kept joining while planning")
 
 

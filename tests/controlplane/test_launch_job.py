@@ -155,3 +155,25 @@ def test_a_node_back_while_a_decision_is_open_changes_nothing_and_a_running_job_
     assert decisions.node_came_back(job.pk, node.pk) is None
     assert Device.objects.get(job=job, index=1).state == "spare"
     assert decisions.RecoveryDecision.objects.filter(job=job).count() == 1
+
+
+def test_a_node_back_while_its_loss_was_planned_is_taken_in_when_planning_fails() -> None:
+    job, _ = create_job("ddp", copy.deepcopy(SCENARIO), enabled_policies=["restart"])
+    for node in Node.objects.filter(job=job):
+        lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    node = Node.objects.get(job=job, name="node-1")
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
+    _, lost = decisions.record_failure(
+        job, kind="node_lost", devices=[1], source=FailureSource.SOCKET,
+        occurred_at=timezone.now(), node=node,
+    )  # fmt: skip
+    # its agent is back before the planner ran: the open decision keeps the device failed
+    assert lifecycle.joined(job_id=job.pk, node_id=node.pk) is True
+    assert decisions.node_came_back(job.pk, node.pk) is None
+    assert Device.objects.get(job=job, index=1).state == "failed"
+    # planning fails without it, then takes it in and plans again at once
+    assert decisions.plan(lost.pk) == DecisionStatus.APPLYING
+    assert decisions.RecoveryDecision.objects.get(pk=lost.pk).status == DecisionStatus.FAILED
+    again = decisions.RecoveryDecision.objects.exclude(pk=lost.pk).get(job=job)
+    assert again.status == DecisionStatus.APPLYING and again.failure_id == lost.failure_id
+    assert Device.objects.get(job=job, index=1).state == "healthy"
