@@ -86,6 +86,7 @@ class World:
     restart_count: int = 0
 
     members: tuple[int, ...] = ()  # after a restart: the devices of the world, else all
+    elastic: bool = False  # the script recovers in memory (worker_agent.elastic): --elastic
 
     @property
     def everyone(self) -> tuple[int, ...]:
@@ -149,14 +150,17 @@ class World:
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,
-            # rank 0 hosts the store at MASTER_PORT, as under a static rendezvous
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            # rank 0 hosts the store at MASTER_PORT, as under a static rendezvous; with
+            # --elastic node 0's launcher does, and keeps it through a rank's loss
+            "TORCHELASTIC_USE_AGENT_STORE": str(self.elastic),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
             ),
             "TORCHELASTIC_ERROR_FILE": str(error_file),
             # torchrun's own environment, which its processes inherit
             "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,
+            # Pitstop's: the world's devices in rank order (worker_agent.elastic reads them)
+            "PITSTOP_MEMBERS": ",".join(map(str, everyone)),
         }
         if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes a node
@@ -203,13 +207,21 @@ class Launcher(Agent):
         return self.world.restart_count >= self.world.max_restarts
 
     def _refusal(self, command: protocol.Command) -> protocol.Error | None:
-        if command.action is protocol.Action.APPLY_PLAN:
+        if self._restarts_for(command):
             # every process restarts: a dead one is no reason to refuse
             return check_plan(command, set(self.settings.devices), set(), self.settings.layers)
         return super()._refusal(command)
 
-    async def _carried_out_here(self, command: protocol.Command) -> bool:
+    def _restarts_for(self, command: protocol.Command) -> bool:
+        """Whether ``command`` is a coordinated restart: every ``apply_plan`` of an unmodified
+        script; with ``--elastic`` only one that restores from a checkpoint (the others go to
+        the ranks, which join the new world in memory)."""
         if command.action is not protocol.Action.APPLY_PLAN:
+            return False
+        return not self.world.elastic or command.restore is protocol.RestoreMode.CHECKPOINT
+
+    async def _carried_out_here(self, command: protocol.Command) -> bool:
+        if not self._restarts_for(command):
             return False
         if command.id in self.restarting:
             return True  # sent again while under way: acknowledged when done
@@ -288,6 +300,14 @@ def parser() -> argparse.ArgumentParser:
         " wait for an operator (PITSTOP_APPROVAL_MODE; default auto)",
     )
     pitstop.add_argument(
+        "--elastic",
+        action="store_true",
+        default=env("PITSTOP_ELASTIC", "") not in ("", "0"),
+        help="the script recovers in memory (worker_agent.elastic): node 0's launcher hosts the"
+        " job's store, and a plan that needs no checkpoint goes to the processes rather than"
+        " restarting them (PITSTOP_ELASTIC=1)",
+    )
+    pitstop.add_argument(
         "--node-name",
         default=env("PITSTOP_NODE"),
         help="this node's name in the job (PITSTOP_NODE; default node-<node rank>)",
@@ -349,6 +369,7 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
         args.max_restarts,
         args.signals_to_handle,
         errors,
+        elastic=args.elastic,
     )
 
 
@@ -374,13 +395,17 @@ def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
     """The scenario of a job a launcher creates (docs/scenario.md): ``nnodes`` × ``nproc``
     devices, ``nproc`` a node, one data-parallel replica a process (as DDP runs), each a
     pipeline of one stage; the ``restart`` policy, or ``restart_shrink`` down to ``min_nodes``
-    nodes. The model is not measured: its profile is a placeholder of one layer, enough for the
-    restart policy, whose choice (in place, on spares, smaller) does not depend on it."""
+    nodes, and with ``--elastic`` ``rerouting`` first (the survivors take the lost replicas'
+    micro-batches, in memory). The model is not measured: its profile is a placeholder of one
+    layer, enough for the restart policy, whose choice (in place, on spares, smaller) does not
+    depend on it."""
     devices = world.nnodes * world.nproc_per_node
     stage = {"layers": [0, 1]}
     policies: dict[str, dict[str, Any]] = {"restart": {}}
     if min_nodes < world.nnodes:
         policies = {"restart_shrink": {"min_replicas": min_nodes * world.nproc_per_node}}
+    if world.elastic:
+        policies = {"rerouting": {}, **policies}
     return {
         "model": {
             "name": f"{Path(script).name} (not profiled)",
@@ -506,6 +531,10 @@ def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
         control=False,
         template=False,  # the script's arguments are its own: nothing in them is replaced
         environment=world.environment,
+        # --elastic: node 0 hosts the job's store at the master's address, which the ranks
+        # and every node's abort use (the ranks' generations live in it)
+        store=f"{world.master_addr}:{world.master_port}" if world.elastic else None,
+        serve_store=world.elastic and world.node_rank == 0,
     )
     return settings, world
 

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.e2e
 
 SCENARIO = REPO_ROOT / "examples" / "torchrun-ddp-2x1.json"
 SCRIPT = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
+ELASTIC_SCRIPT = str(REPO_ROOT / "examples" / "elastic_ddp.py")
+ELASTIC_LINE = re.compile(r"^rank (\d+) step (\d+) loss \S+ world (\d+)$", re.M)
 LINE = re.compile(r"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
 
 
@@ -48,18 +50,23 @@ def launch(
     api_token: str | None = None,
     nnodes: str = "2",
     job: str = "drill",
+    elastic: bool = False,
 ) -> None:
     """``pitstop-run`` for node ``rank`` with the job's agent token, or an admin's API token
-    (the job made by the first node that asks)."""
-    env = {**stack.env, "OMP_NUM_THREADS": "1"}
+    (the job made by the first node that asks); ``elastic``: ``--elastic`` on
+    examples/elastic_ddp.py rather than the plain DDP script."""
+    env = {**stack.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    script = [ELASTIC_SCRIPT, "--micro-batches", "4"] if elastic else [SCRIPT]
+    script += ["--steps", "100000", "--step-s", "0.05"]
+    if not elastic:
+        script += ["--checkpoint-dir", str(stack.tmp / "checkpoint")]
     env.update({"PITSTOP_AGENT_TOKEN": token} if token else {"PITSTOP_API_TOKEN": api_token or ""})
     stack.processes[f"agent-node-{rank}"] = subprocess.Popen(
         [sys.executable, "-m", "worker_agent", "launch",
          "--nnodes", nnodes, "--nproc-per-node", "1", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "3",
          "--server", f"ws://127.0.0.1:{stack.port}", "--job", job,
-         SCRIPT, "--steps", "100000", "--step-s", "0.05",
-         "--checkpoint-dir", str(stack.tmp / "checkpoint")],
+         *(["--elastic"] if elastic else []), *script],
         env=env, cwd=REPO_ROOT, stdout=(stack.tmp / f"node-{rank}.out").open("ab"),
         stderr=(stack.tmp / f"agent-node-{rank}.log").open("ab"),
     )  # fmt: skip
@@ -218,3 +225,43 @@ def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
     failures = stack.api(f"/api/v1/failures/?job={job}", admin)["results"]
     assert [(f["kind"], f["devices"]) for f in failures] == [("never_joined", [1])]
     assert not [line for line in steps(stack, 0) if line[2] == 0]  # it never trained before
+
+
+def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
+    stack: Stack,
+) -> None:
+    admin = stack.manage("shell", "-c", ADMIN)
+    for name in ("redis", "server", "worker"):
+        stack.start(name)
+    port = free_port()
+    for rank in (0, 1):
+        launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
+    jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
+    (job,) = [j["id"] for j in jobs]
+    assert stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"] == ["rerouting", "restart"]
+    live = f"/api/v1/jobs/{job}/live/"
+    stack.wait(
+        lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
+        "both nodes training",
+        150,
+    )
+    survivor = children_of(stack.processes["agent-node-0"].pid)
+    stack.kill("agent-node-1")  # the node is gone: no restart in place, no spare
+    killed_at = time.monotonic()
+    decision = stack.wait(
+        lambda: (
+            (d := latest_recovery(stack, admin, job)).get("status") in ("recovered", "failed") and d
+        ),
+        "the recovery",
+        90,
+    )
+    recovered_s = time.monotonic() - killed_at
+    assert decision["status"] == "recovered", decision
+    assert decision["candidates"][decision["chosen"]]["policy"] == "rerouting"
+    used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0}
+    out = (stack.tmp / "node-0.out").read_text()
+    alone = [(int(s), int(w)) for _, s, w in ELASTIC_LINE.findall(out) if w == "1"]
+    assert alone, out[-2000:]
+    assert children_of(stack.processes["agent-node-0"].pid) == survivor  # never restarted
+    print(f"elastic reroute: kill to recovered {recovered_s:.1f} s")

@@ -55,18 +55,25 @@ def start_agent(
 
 
 def launch_node(
-    rank: int, port: int, server: str, script: list[str], *flags: str, **popen: Any
+    rank: int,
+    port: int,
+    server: str,
+    script: list[str],
+    *flags: str,
+    environment: dict[str, str] | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[Any]:
     """``python -m worker_agent launch`` as node ``rank`` of two, one process each, the master
     on 127.0.0.1:``port``, reporting to ``server`` for job ``j`` (token ``t``); ``flags`` go
-    before the script, ``popen`` to ``subprocess.Popen``."""
+    before the script, ``environment`` into its environment, ``popen`` to
+    ``subprocess.Popen``."""
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "worker_agent", "launch", "--nnodes", "2"),
             *("--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1"),
             *("--master-port", str(port), "--server", server, "--job", "j", *flags, *script),
         ],
-        env=clean_environment(PITSTOP_AGENT_TOKEN="t", OMP_NUM_THREADS="1"),
+        env=clean_environment(PITSTOP_AGENT_TOKEN="t", OMP_NUM_THREADS="1", **(environment or {})),
         cwd=REPO_ROOT,
         **popen,
     )

@@ -1,0 +1,139 @@
+"""Pitstop's data parallelism (``worker_agent.elastic``): the step is DDP's (the global batch's
+mean gradient), under plain torchrun and under ``pitstop-run --elastic``, where a lost replica's
+micro-batches go to the survivor in memory and the losses stay those of an uninterrupted run.
+
+The reference is written here, without the module: one process, the example's model and data,
+every micro-batch of the global batch accumulated, then the optimizer's step."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.processes import REPO_ROOT, clean_environment, free_port
+from tests.worker_agent.helpers import ScriptedServer, children_of, launch_node, poll, terminate
+from tests.worker_agent.trainer.reference import pipeline, plan, stage
+from worker_agent.elastic import share
+
+SCRIPT = str(REPO_ROOT / "examples" / "elastic_ddp.py")
+LINE = re.compile(r"^rank (\d+) step (\d+) loss (\S+) world (\d+)$", re.M)
+MICRO_BATCHES = 4
+TIMEOUT_S = 120.0
+
+
+def reference(steps: int, optimizer: str = "sgd") -> dict[int, float]:
+    """Each step's mean loss over the global batch, trained in one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.01)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    losses = {}
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for index in range(MICRO_BATCHES):
+            seed = torch.Generator().manual_seed(step * 1_000_003 + index)
+            x = torch.randn(16, 32, generator=seed)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / MICRO_BATCHES
+            torch.autograd.backward(loss)
+            total += float(loss.detach())
+        opt.step()
+        losses[step + 1] = total
+    return losses
+
+
+def close(got: float, expected: float) -> bool:
+    """Equal but for the order the micro-batches' gradients are summed in (float32)."""
+    return abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
+
+
+@given(members=st.sets(st.integers(0, 64), min_size=1, max_size=12), total=st.integers(1, 40))
+def test_every_micro_batch_is_computed_once_and_the_shares_differ_by_one_at_most(
+    members: set[int], total: int
+) -> None:
+    shares = {d: share(sorted(members), d, total) for d in members}
+    everything = sorted(i for r in shares.values() for i in r)
+    assert everything == list(range(total))
+    sizes = [len(r) for r in shares.values()]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_under_plain_torchrun_a_step_is_the_global_batchs_mean(optimizer: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         SCRIPT, "--steps", "6", "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer],
+        env=clean_environment(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {(int(r), int(s)): float(loss) for r, s, loss, _ in LINE.findall(done.stdout)}
+    expected = reference(6, optimizer)
+    assert sorted(got) == [(r, s) for r in (0, 1) for s in range(1, 7)]
+    assert all(close(loss, expected[s]) for (_, s), loss in got.items()), (got, expected)
+
+
+def _steps(path: Path) -> list[tuple[int, int, float, int]]:
+    text = path.read_text() if path.exists() else ""
+    return [(int(r), int(s), float(loss), int(w)) for r, s, loss, w in LINE.findall(text)]
+
+
+def test_a_lost_replicas_micro_batches_go_to_the_survivor_in_memory(tmp_path: Path) -> None:
+    port = free_port()
+    servers = [ScriptedServer(), ScriptedServer()]
+    script = [SCRIPT, "--steps", "100000", "--step-s", "0.05"]
+    script += ["--micro-batches", str(MICRO_BATCHES)]
+    processes = [
+        launch_node(
+            rank, port, servers[rank].url, script, "--elastic", "--max-restarts", "3",
+            environment={"PYTHONPATH": str(REPO_ROOT)},
+            stdout=(tmp_path / f"node-{rank}.out").open("wb"),
+            stderr=(tmp_path / f"node-{rank}.err").open("wb"),
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    out = tmp_path / "node-0.out"
+    try:
+        poll(lambda: len(_steps(out)) >= 6, "steps on node-0", TIMEOUT_S)
+        (rank,) = children_of(processes[1].pid)
+        survivor = children_of(processes[0].pid)
+        os.kill(rank, signal.SIGKILL)
+        killed_at = time.monotonic()
+        poll(functools.partial(servers[1].of_type, "fault"), "node-1's crash", TIMEOUT_S)
+        before = max(s for _, s, _, _ in _steps(out))
+        # the survivor left its step (its peer's loss), and waits: the plan of device 0 alone
+        servers[0].send(
+            {"type": "command", "id": "d1-apply", "action": "apply_plan", "decision": 1,
+             "plan": plan(pipeline(MICRO_BATCHES, stage(0, 0, 1))), "restore": "peers"}
+        )  # fmt: skip
+        (ack,) = poll(functools.partial(servers[0].acks, "d1-apply"), "the ack", TIMEOUT_S)
+        assert ack["ok"], ack
+        poll(lambda: max(s for _, s, _, _ in _steps(out)) >= before + 5, "steps alone", 60)
+        again_s = time.monotonic() - killed_at
+        assert children_of(processes[0].pid) == survivor  # no restart: the same process
+    finally:
+        for process in processes:
+            terminate(process)
+        for server in servers:
+            server.close()
+    lines = _steps(out)
+    after = [(s, loss) for _, s, loss, w in lines if w == 1]
+    assert [s for s, _ in after] == list(range(before + 1, before + 1 + len(after)))
+    assert not [f for f in servers[0].of_type("fault")]  # the survivor never failed
+    expected = reference(max(s for s, _ in after))
+    assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)
+    print(f"elastic reroute: training alone again {again_s:.1f} s after the kill")
