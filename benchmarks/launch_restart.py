@@ -11,10 +11,13 @@ of sleep a step), two processes on this host, resuming from its checkpoint when 
   demo runs (Daphne, the embedded Redis, a Celery worker, the detector); the job asks the
   ``restart`` policy in ``auto`` mode, so the crash is recorded, planned with ``decide()``,
   applied as a coordinated restart, and the recovery's timeline phases are read from the API.
+- **elastic**: the same model and data written with ``worker_agent.elastic``
+  (``examples/elastic_ddp.py``, four micro-batches a step) under ``--elastic``; the job asks
+  ``rerouting``, so rank 1's micro-batches go to rank 0, which goes on in memory.
 
 Each repetition waits for step 12, SIGKILLs the process of rank 1 and times until the first
-step line of a restarted script (``restart`` ≥ 1) is read from the output. The ratio is
-Pitstop's median over torchrun's.
+step line of a restarted script (``restart`` ≥ 1) is read from the output, or for ``elastic``
+the first step of rank 0 alone (``world 1``). The ratios are Pitstop's medians over torchrun's.
 
     python -m benchmarks.launch_restart [--repeats 3] [--timeout 120] [--out PATH]
 
@@ -46,7 +49,10 @@ from controlplane.demo import ControlPlane, Processes, children_of, free_port, w
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "torchrun_ddp.py"
 SCENARIO = ROOT / "examples" / "torchrun-ddp-2x1.json"
+ELASTIC_SCRIPT = ROOT / "examples" / "elastic_ddp.py"
 LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
+# elastic_ddp.py's lines have no restart count: read as restart 0, or 1 once the world shrank
+ELASTIC_LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ world (\d+)$", re.M)
 WARMUP_STEPS = 12
 OPEN = ("planning", "proposed", "approved", "overridden", "auto_applied", "applying")
 
@@ -69,9 +75,17 @@ def _ranks(pid: int) -> dict[int, int]:
     return found
 
 
+def _lines(out: Path) -> list[tuple[int, int, int, int]]:
+    """(rank, step, restart, world) of every step line; an elastic line's restart is 1 once
+    its world is smaller than the two it began with."""
+    text = out.read_bytes() if out.exists() else b""
+    found = [(int(r), int(s), int(n), int(w)) for r, s, n, w in LINE.findall(text)]
+    shrunk = [(int(r), int(s), int(int(w) < 2), int(w)) for r, s, w in ELASTIC_LINE.findall(text)]
+    return found + shrunk
+
+
 def _seen(out: Path, check: Callable[[list[tuple[int, int, int, int]]], bool]) -> bool:
-    lines = [tuple(map(int, m)) for m in LINE.findall(out.read_bytes())] if out.exists() else []
-    return check(lines)  # type: ignore[arg-type]
+    return check(_lines(out))
 
 
 def one_run(
@@ -100,10 +114,11 @@ def one_run(
             lambda: _seen(out, lambda ls: any(n >= 1 for _, _, n, _ in ls)),
             "a step after a restart",
             timeout,
+            interval=0.01,  # the time is read to a hundredth of a second
         )
         seconds = time.monotonic() - killed_at
-        restarts = max(n for *_, n, _ in LINE.findall(out.read_bytes()))
-        run = {"kill_to_training_s": seconds, "status": "recovered", "restart": int(restarts)}
+        restarts = max(n for *_, n, _ in _lines(out))
+        run = {"kill_to_training_s": seconds, "status": "recovered", "restart": restarts}
         return run | (then() if then is not None else {})
     except TimeoutError as exc:
         return {"status": "failed", "reason": str(exc)}
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be ≥ 1 and --timeout > 0")
     scenario = json.loads(SCENARIO.read_text())
     scenario["cluster"]["devices_per_node"] = 2  # both processes on this one node
-    rows: dict[str, list[dict[str, Any]]] = {"torchrun": [], "pitstop": []}
+    rows: dict[str, list[dict[str, Any]]] = {"torchrun": [], "pitstop": [], "elastic": []}
     with tempfile.TemporaryDirectory(prefix="pitstop-launch-restart-") as tmp:
         data = Path(tmp)
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
@@ -166,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plane.start()
             jobs = [
-                {"name": f"ddp-{i}", "scenario": scenario, "mode": "auto", "policies": ["restart"]}
+                {"name": f"{kind}-{i}", "scenario": scenario, "mode": "auto", "policies": [policy]}
                 for i in range(args.repeats)
+                for kind, policy in (("ddp", "restart"), ("elastic", "rerouting"))
             ]
             made = plane.setup("bench", "bench", jobs)["jobs"]
-            progress = tqdm(total=2 * args.repeats, desc="kills", unit="run")
+            progress = tqdm(total=3 * args.repeats, desc="kills", unit="run")
             for i in range(args.repeats):
                 script = [
                     str(SCRIPT), "--steps", "100000", "--step-s", "0.05",
@@ -197,6 +213,24 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows["pitstop"].append(pitstop)
                 progress.update()
+                elastic = [str(ELASTIC_SCRIPT), "--steps", "100000", "--step-s", "0.05"]
+                launch[-1] = f"elastic-{i}"
+                rows["elastic"].append(
+                    one_run(
+                        [*launch, "--elastic", *elastic, "--micro-batches", "4"],
+                        data / f"elastic-{i}.out",
+                        {
+                            **env,
+                            "PITSTOP_AGENT_TOKEN": made[f"elastic-{i}"]["token"],
+                            "PYTHONPATH": str(ROOT),
+                        },
+                        then=functools.partial(
+                            recovery, plane, made[f"elastic-{i}"]["id"], args.timeout
+                        ),
+                        timeout=args.timeout,
+                    )
+                )
+                progress.update()
             progress.close()
         finally:
             processes.stop_all()
@@ -209,18 +243,26 @@ def main(argv: list[str] | None = None) -> int:
             "median_s": statistics.median(times) if times else None,
             "range_s": [min(times), max(times)] if times else None,
         }
-    theirs, ours = summary["torchrun"]["median_s"], summary["pitstop"]["median_s"]
-    ratio = ours / theirs if theirs and ours else None
+    theirs = summary["torchrun"]["median_s"]
+    ratios = {
+        name: summary[name]["median_s"] / theirs if theirs and summary[name]["median_s"] else None
+        for name in ("pitstop", "elastic")
+    }
     print(f"{'launcher':<10} {'recovered':>9} {'median s':>9} {'range s':>15}")
     for name, row in summary.items():
         span = row["range_s"]
-        shown = f"{span[0]:.1f}-{span[1]:.1f}" if span else "-"
+        shown = f"{span[0]:.2f}-{span[1]:.2f}" if span else "-"
         median = f"{row['median_s']:.2f}" if row["median_s"] is not None else "-"
         print(f"{name:<10} {row['recovered']:>4}/{row['runs']:<4} {median:>9} {shown:>15}")
-    print(f"pitstop / torchrun: {ratio:.2f}" if ratio else "pitstop / torchrun: -")
-    write_results(args.out, {"summary": summary, "ratio": ratio, "rows": rows})
+    for name, ratio in ratios.items():
+        print(f"{name} / torchrun: {ratio:.2f}" if ratio else f"{name} / torchrun: -")
+    write_results(
+        args.out,
+        {"summary": summary, "ratio": ratios["pitstop"], "ratios": ratios, "rows": rows},
+    )
     # torchrun's own failures are measured, not this benchmark's: only Pitstop's fail it
-    return 0 if summary["pitstop"]["recovered"] == summary["pitstop"]["runs"] else 1
+    ours = [summary[name] for name in ("pitstop", "elastic")]
+    return 0 if all(row["recovered"] == row["runs"] for row in ours) else 1
 
 
 if __name__ == "__main__":

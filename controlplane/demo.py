@@ -254,8 +254,15 @@ class ControlPlane:
 
 
 def wait_for(
-    check: Callable[[], Any], what: str, timeout: float, processes: Processes | None = None
+    check: Callable[[], Any],
+    what: str,
+    timeout: float,
+    processes: Processes | None = None,
+    *,
+    interval: float = 0.2,
 ) -> Any:
+    """``check()``'s first true answer, asked every ``interval`` seconds; TimeoutError after
+    ``timeout``, RuntimeError when one of ``processes`` died meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if processes is not None and (dead := processes.died()):
@@ -266,7 +273,7 @@ def wait_for(
             found = check()
             if found:
                 return found
-        time.sleep(0.2)
+        time.sleep(interval)
     raise TimeoutError(f"no {what} within {timeout:g} s")
 
 

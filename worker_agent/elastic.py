@@ -82,6 +82,7 @@ class DataParallel:
         self.model, self.optimizer, self.micro_batches = model, optimizer, micro_batches
         self.link = link if link is not None else TrainerLink.from_env()
         self.step = 0
+        self._last: float | None = None  # when the previous step ended
         self.params = [p for p in model.parameters() if p.requires_grad]
         env = os.environ
         if self.link.active:
@@ -164,9 +165,15 @@ class DataParallel:
                 self.optimizer.zero_grad(set_to_none=True)  # the step leaves no trace
                 self._leave()
                 self.link.set_state("idle")
+                self._last = None
                 continue
             self.step += 1
-            self.link.report_step(self.step, loss, time.perf_counter() - started)
+            # from the previous step's end, the script's own work between steps included, as
+            # torchrun scripts' steps are timed (the agent compares ranks' step times: the
+            # all-reduce alone would make whichever rank waits for the other look slow)
+            now = time.perf_counter()
+            self.link.report_step(self.step, loss, now - (self._last or started))
+            self._last = now
             return loss
 
     def _try_step(
