@@ -33,6 +33,7 @@ and a lost peer ends the run as under DDP.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
@@ -83,6 +84,7 @@ class DataParallel:
         self.link = link if link is not None else TrainerLink.from_env()
         self.step = 0
         self._last: float | None = None  # when the previous step ended
+        self.restored_from: int | None = None  # the member whose state this one took, if any
         self.params = [p for p in model.parameters() if p.requires_grad]
         env = os.environ
         if self.link.active:
@@ -106,9 +108,7 @@ class DataParallel:
             )
         self.generation: Generation | None = None
         self._watcher: AbortWatcher | None = None
-        self._joined: set[int] = set(everyone)  # the latest plan's members, kept after a leave
-        self._join(prefix, everyone)
-        self._same_start()
+        self._enter(prefix, everyone)
         self.link.set_state("training")
 
     # --- the world --------------------------------------------------------------------------
@@ -136,15 +136,52 @@ class DataParallel:
             self.generation.abandon()
         self.generation, self._watcher = None, None
 
-    def _same_start(self) -> None:
-        """Every replica starts from the lowest member's weights, as DDP's broadcast."""
+    def _enter(self, prefix: str, members: Sequence[int]) -> None:
+        """Join the generation of ``members`` and start it from one state (every member calls
+        it, the new ones from their start, the others when the plan comes): when every member
+        is at the same step, the lowest member's weights, as DDP's broadcast; otherwise the
+        model, optimizer state and step of the lowest member furthest on, copied to the others
+        over the network (a restarted or replacement process restored from a live replica:
+        FlashRecovery's restore from peers, no checkpoint)."""
+        self._join(prefix, members)
         generation = self.generation
         assert generation is not None
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        if self.device != min(generation.members):
-            flat.zero_()  # a sum with zeros is the source's values, bit for bit
-        generation.guard(lambda: generation.all_reduce(generation.members, flat))
-        self._unflatten(flat, [p.data for p in self.params])
+        steps = torch.zeros(len(generation.members), dtype=torch.int64)
+        steps[generation.rank] = self.step + 1
+        generation.guard(lambda: generation.all_reduce(generation.members, steps))
+        furthest = int(steps.max())
+        if int(steps.min()) == furthest:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            if self.device != min(generation.members):
+                flat.zero_()  # a sum with zeros is the source's values, bit for bit
+            generation.guard(lambda: generation.all_reduce(generation.members, flat))
+            self._unflatten(flat, [p.data for p in self.params])
+            return
+        source = generation.members[int((steps == furthest).nonzero()[0])]
+        state = self._broadcast(generation, source)
+        if self.device != source:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+        self.restored_from = source
+
+    def _broadcast(self, generation: Generation, source: int) -> dict[str, Any]:
+        """``source``'s model, optimizer state and step, on every member (one all-reduce of
+        its length, one of its bytes: the others add zeros)."""
+        blob = b""
+        if self.device == source:
+            buffer = io.BytesIO()
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            torch.save({**state, "step": self.step}, buffer)
+            blob = buffer.getvalue()
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        generation.guard(lambda: generation.all_reduce(generation.members, size))
+        data = torch.zeros(int(size), dtype=torch.uint8)
+        if blob:
+            data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        generation.guard(lambda: generation.all_reduce(generation.members, data))
+        loaded: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        return loaded
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -239,14 +276,9 @@ class DataParallel:
             self.link.done(command.id, False, why)
             return
         members = sorted(protocol.plan_devices(command.plan))
-        before = self._joined
-        new = [d for d in members if d not in before and d != self.device]
-        if self.device in members and (new or self.device not in before):
-            message = f"devices {new or [self.device]} would need the weights of a live replica"
-            why = LinkError(code="unsupported", message=message, field="plan")
-            self.link.done(command.id, False, why)
+        if self.generation is not None and command.generation == self.generation.prefix:
+            self.link.done(command.id, True)  # started in it (a restarted process): joined
             return
-        self._joined = set(members)
         if self.device not in members:  # not in the plan: idle until one takes it again
             self._leave()
             self.link.set_state("idle")
@@ -254,7 +286,7 @@ class DataParallel:
             return
         self.link.set_state("restoring")
         try:
-            self._join(command.generation, members)
+            self._enter(command.generation, members)
         except Aborted as exc:
             self.link.done(command.id, False, LinkError(code="aborted", message=str(exc)))
             self.link.set_state("idle")

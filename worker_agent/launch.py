@@ -207,7 +207,7 @@ class Launcher(Agent):
         return self.world.restart_count >= self.world.max_restarts
 
     def _refusal(self, command: protocol.Command) -> protocol.Error | None:
-        if self._restarts_for(command):
+        if command.action is protocol.Action.APPLY_PLAN:
             # every process restarts: a dead one is no reason to refuse
             return check_plan(command, set(self.settings.devices), set(), self.settings.layers)
         return super()._refusal(command)
@@ -219,6 +219,23 @@ class Launcher(Agent):
         if command.action is not protocol.Action.APPLY_PLAN:
             return False
         return not self.world.elastic or command.restore is protocol.RestoreMode.CHECKPOINT
+
+    async def on_command(self, command: protocol.Command) -> None:
+        await super().on_command(command)
+        if self._restarts_for(command) or command.action is not protocol.Action.APPLY_PLAN:
+            return
+        # --elastic, in memory: the running processes had the plan; one of this node's devices
+        # in it whose process is gone (it crashed) starts again in the plan's generation and
+        # takes its state from a live replica as it joins (worker_agent.elastic)
+        if self._refusal(command) is not None:
+            return
+        members = sorted(protocol.plan_devices(command.plan))
+        self.world = dataclasses.replace(self.world, members=tuple(members))
+        for device in self.settings.devices:
+            rank = self.ranks.get(device)
+            if device in members and (rank is None or not rank.alive):
+                await self._start_rank(device)
+                log.info("device %d: started again in %s from its peers", device, self.generation)
 
     async def _carried_out_here(self, command: protocol.Command) -> bool:
         if not self._restarts_for(command):
@@ -395,17 +412,21 @@ def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
     """The scenario of a job a launcher creates (docs/scenario.md): ``nnodes`` × ``nproc``
     devices, ``nproc`` a node, one data-parallel replica a process (as DDP runs), each a
     pipeline of one stage; the ``restart`` policy, or ``restart_shrink`` down to ``min_nodes``
-    nodes, and with ``--elastic`` ``rerouting`` first (the survivors take the lost replicas'
-    micro-batches, in memory). The model is not measured: its profile is a placeholder of one
-    layer, enough for the restart policy, whose choice (in place, on spares, smaller) does not
-    depend on it."""
+    nodes, and with ``--elastic`` ``rerouting`` (the survivors take the lost replicas'
+    micro-batches, in memory) and ``flashrecovery`` on the same devices (a crashed process
+    starts again where it ran and takes a live replica's state) first. The model is not
+    measured: its profile is a placeholder of one layer, enough for the restart policy, whose
+    choice (in place, on spares, smaller) does not depend on it."""
     devices = world.nnodes * world.nproc_per_node
     stage = {"layers": [0, 1]}
     policies: dict[str, dict[str, Any]] = {"restart": {}}
     if min_nodes < world.nnodes:
         policies = {"restart_shrink": {"min_replicas": min_nodes * world.nproc_per_node}}
     if world.elastic:
-        policies = {"rerouting": {}, **policies}
+        # in memory: a lost replica's share to the others, or a crashed process started again
+        # where it ran with a live replica's state (its start's seconds, not the paper's 85)
+        in_place = {"same_devices": True, "restart_s": ELASTIC_START_S}
+        policies = {"rerouting": {}, "flashrecovery": in_place, **policies}
     return {
         "model": {
             "name": f"{Path(script).name} (not profiled)",
@@ -433,6 +454,11 @@ def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
         },
         "policies": policies,
     }
+
+
+# A process of an elastic script started again to its first step, about: Python and torch
+# imported, the generation joined, the state received (2 to 3 s on the 2-core machine).
+ELASTIC_START_S = 3.0
 
 
 class LaunchRefused(Exception):

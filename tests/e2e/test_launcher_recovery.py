@@ -238,7 +238,8 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
         launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
-    assert stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"] == ["rerouting", "restart"]
+    policies = stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"]
+    assert policies == ["rerouting", "flashrecovery", "restart"]
     live = f"/api/v1/jobs/{job}/live/"
     stack.wait(
         lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
@@ -265,3 +266,56 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
     assert alone, out[-2000:]
     assert children_of(stack.processes["agent-node-0"].pid) == survivor  # never restarted
     print(f"elastic reroute: kill to recovered {recovered_s:.1f} s")
+
+
+def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(
+    stack: Stack,
+) -> None:
+    admin = stack.manage("shell", "-c", ADMIN)
+    for name in ("redis", "server", "worker"):
+        stack.start(name)
+    port = free_port()
+    for rank in (0, 1):
+        launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
+    jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
+    (job,) = [j["id"] for j in jobs]
+    live = f"/api/v1/jobs/{job}/live/"
+    stack.wait(
+        lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
+        "both nodes training",
+        150,
+    )
+
+    def node_1_steps() -> list[int]:
+        return [int(s) for _, s, _ in ELASTIC_LINE.findall((stack.tmp / "node-1.out").read_text())]
+
+    survivor = children_of(stack.processes["agent-node-0"].pid)
+    (victim,) = children_of(stack.processes["agent-node-1"].pid)
+    os.kill(victim, signal.SIGKILL)  # the process, not its node: its device can run another
+    before = max(node_1_steps())
+    killed_at = time.monotonic()
+    decision = stack.wait(
+        lambda: (
+            (d := latest_recovery(stack, admin, job)).get("status") in ("recovered", "failed") and d
+        ),
+        "the recovery",
+        90,
+    )
+    recovered_s = time.monotonic() - killed_at
+    assert decision["status"] == "recovered", decision
+    # the cost model's choice: every replica back (the rerouted world would be half as fast
+    # until the next failure; a restart from a checkpoint would redo its steps)
+    assert decision["candidates"][decision["chosen"]]["policy"] == "flashrecovery"
+    used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0, 1}
+    assert children_of(stack.processes["agent-node-0"].pid) == survivor
+    (again,) = children_of(stack.processes["agent-node-1"].pid)
+    assert again != victim
+    stack.wait(lambda: max(node_1_steps()) > before + 3, "node-1 training again", 30)
+    # the new process went on from its peer's step: no step again from 1 (the killed process
+    # may have died between its last step and that step's line: one line may be missing)
+    steps = node_1_steps()
+    assert steps == sorted(set(steps)), steps
+    first = min(s for s in steps if s > before)
+    assert first in (before + 1, before + 2), (before, steps)
+    print(f"elastic restore from peers: kill to recovered {recovered_s:.1f} s")

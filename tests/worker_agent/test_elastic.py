@@ -92,10 +92,14 @@ def _steps(path: Path) -> list[tuple[int, int, float, int]]:
     return [(int(r), int(s), float(loss), int(w)) for r, s, loss, w in LINE.findall(text)]
 
 
-def test_a_lost_replicas_micro_batches_go_to_the_survivor_in_memory(tmp_path: Path) -> None:
+def _two_nodes(
+    tmp_path: Path, optimizer: str = "sgd"
+) -> tuple[list[ScriptedServer], list[subprocess.Popen[bytes]]]:
+    """Two launchers of one process each under --elastic, each with its scripted control
+    plane, training the example for ever."""
     port = free_port()
     servers = [ScriptedServer(), ScriptedServer()]
-    script = [SCRIPT, "--steps", "100000", "--step-s", "0.05"]
+    script = [SCRIPT, "--steps", "100000", "--step-s", "0.05", "--optimizer", optimizer]
     script += ["--micro-batches", str(MICRO_BATCHES)]
     processes = [
         launch_node(
@@ -106,6 +110,11 @@ def test_a_lost_replicas_micro_batches_go_to_the_survivor_in_memory(tmp_path: Pa
         )
         for rank in (0, 1)
     ]  # fmt: skip
+    return servers, processes
+
+
+def test_a_lost_replicas_micro_batches_go_to_the_survivor_in_memory(tmp_path: Path) -> None:
+    servers, processes = _two_nodes(tmp_path)
     out = tmp_path / "node-0.out"
     try:
         poll(lambda: len(_steps(out)) >= 6, "steps on node-0", TIMEOUT_S)
@@ -159,3 +168,48 @@ def test_two_ranks_of_one_node_are_no_stragglers_to_their_agent(tmp_path: Path) 
         server.close()
     assert len(_steps(tmp_path / "out")) == 120
     assert server.of_type("fault") == []
+
+
+def test_a_crashed_replica_starts_again_with_a_live_replicas_state(tmp_path: Path) -> None:
+    """The plan keeps both devices (FlashRecovery in place): node-1's launcher starts its
+    process again in the new generation, and it takes the model, the AdamW state and the step
+    from device 0 over the network as it joins; both go on as if nothing happened."""
+    servers, processes = _two_nodes(tmp_path, "adamw")
+    out = [tmp_path / "node-0.out", tmp_path / "node-1.out"]
+    try:
+        poll(lambda: len(_steps(out[1])) >= 6, "steps on node-1", TIMEOUT_S)
+        survivor = children_of(processes[0].pid)
+        (victim,) = children_of(processes[1].pid)
+        os.kill(victim, signal.SIGKILL)
+        poll(functools.partial(servers[1].of_type, "fault"), "node-1's crash", TIMEOUT_S)
+        before = max(s for _, s, _, _ in _steps(out[0]))
+        command = {
+            "type": "command", "id": "d1-apply", "action": "apply_plan", "decision": 1,
+            "plan": plan(*(pipeline(2, stage(d, 0, 1)) for d in (0, 1))), "restore": "peers",
+        }  # fmt: skip
+        for server in servers:
+            server.send(command)
+        for server in servers:
+            (ack,) = poll(functools.partial(server.acks, "d1-apply"), "the ack", TIMEOUT_S)
+            assert ack["ok"], ack
+        poll(
+            lambda: sum(1 for _, s, _, _ in _steps(out[1]) if s > before) >= 5,
+            "node-1 training again",
+            60,
+        )
+        assert children_of(processes[0].pid) == survivor
+        (again,) = children_of(processes[1].pid)
+        assert again != victim
+    finally:
+        for process in processes:
+            terminate(process)
+        for server in servers:
+            server.close()
+    lines = _steps(out[0]) + _steps(out[1])
+    resumed = sorted(s for r, s, _, _ in _steps(out[1]) if s > before)
+    # the new process went on from the survivor's step, not from 1 (read a moment after the
+    # kill, node-0's last line may be a step behind it)
+    assert resumed[0] in (before + 1, before + 2), (before, resumed)
+    assert resumed == list(range(resumed[0], resumed[-1] + 1))
+    expected = reference(max(s for _, s, _, _ in lines), "adamw")
+    assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,10 +19,13 @@ from controlplane.recovery.model import (
 from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score, unchanged
 from controlplane.recovery.policies.replacement import (
     Copy,
+    Replacement,
+    StageKey,
     broken_stages,
     copy_time_s,
     replace_stages,
 )
+from controlplane.recovery.policies.restart import PROCESS_FAULTS
 
 # FlashRecovery §6's measured costs: the in-place restart whatever the scale (Table III: 78-116 s,
 # median 90; 85 s plus the restore reproduces it), and the ~1 s setup of the peer-to-peer copy.
@@ -49,6 +53,24 @@ def shard_holders(state: ClusterState) -> dict[Shard, list[int]]:
     return holders
 
 
+def in_place(state: ClusterState, failure: Failure, broken: Sequence[StageKey]) -> Replacement:
+    """The same plan on the same devices, each broken stage's group its own replacement: the
+    processes of a process's fault (crash, hang, NaN: this failure's, or an earlier one's on a
+    node still heard, ``state.restartable``) start again where they ran. InfeasiblePlan
+    (``NO_SPARE``) when a device of the plan is down for another reason."""
+    mine = failure.devices if failure.kind in PROCESS_FAULTS else frozenset()
+    down = state.failed & set(state.plan.devices())
+    if not down <= mine | state.restartable:
+        lost = sorted(down - mine - state.restartable)
+        raise InfeasiblePlan(
+            f"devices {lost} are down, not their processes: a replica cannot start again there",
+            decline=Code.NO_SPARE,
+        )
+    plan = state.plan
+    groups = {(p, s): plan.pipelines[p].stages[s].devices for p, s in broken}
+    return Replacement(plan=plan, groups=groups)
+
+
 def plan_flashrecovery(
     policy: str,
     state: ClusterState,
@@ -56,8 +78,10 @@ def plan_flashrecovery(
     *,
     restart_s: float = RESTART_S,
     restore_setup_s: float = RESTORE_SETUP_S,
+    same_devices: bool = False,
 ) -> Candidate:
-    """The same plan on spare groups, each new device filled from a replica of its shard.
+    """The same plan on spare groups (or, ``same_devices``, on the devices whose processes
+    failed, started again: ``in_place``), each new device filled from a replica of its shard.
 
     Checks run in FlashRecovery §6's order (runtime support is assumed of every Pitstop job):
     spares, then a live replica of every lost shard, then whether the replicas can be trusted.
@@ -66,7 +90,10 @@ def plan_flashrecovery(
     if not broken:
         return unchanged(policy, state)
     try:
-        replacement = replace_stages(state, broken)
+        if same_devices:
+            replacement = in_place(state, failure, broken)
+        else:
+            replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
         return Candidate.declined(policy, exc.decline, str(exc))
     plan = state.plan
@@ -133,7 +160,15 @@ class FlashRecoveryPolicy(SteadyCosts):
 
     restart_s: float = RESTART_S  # in-place restart (FlashRecovery §6)
     restore_setup_s: float = RESTORE_SETUP_S  # setup of the peer-to-peer state copy
+    # the failed processes start again on their own devices, no spare (a process's fault:
+    # worker_agent.elastic under pitstop-run --elastic); off, spares as in the paper
+    same_devices: bool = False
     name: ClassVar[str] = "flashrecovery"
+
+    @property
+    def restarts_in_place(self) -> bool:
+        """May run again on a process's failed device (``same_devices``)."""
+        return self.same_devices
 
     def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
         return [
@@ -143,5 +178,6 @@ class FlashRecoveryPolicy(SteadyCosts):
                 failure,
                 restart_s=self.restart_s,
                 restore_setup_s=self.restore_setup_s,
+                same_devices=self.same_devices,
             )
         ]

@@ -6,7 +6,9 @@ import math
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from controlplane.recovery.codes import Code
 from controlplane.recovery.estimator import estimate_step_time
 from controlplane.recovery.model import (
     Assumptions,
@@ -187,3 +189,30 @@ def test_random_failures_keep_invariants(state: ClusterState) -> None:
         assert math.isfinite(candidate.est_step_time_s)
     else:
         assert candidate.note
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_on_the_same_devices_a_crashed_replica_starts_again_from_a_live_one(
+    data: st.DataObject,
+) -> None:
+    dp = data.draw(st.integers(2, 6))
+    crashed = data.draw(st.sets(st.integers(0, dp - 1), min_size=1, max_size=dp - 1))
+    state = grid_state(layers=4, pp=1, dp=dp, micro_batches=dp, failed=sorted(crashed))
+    policy = FlashRecoveryPolicy(same_devices=True, restart_s=3.0)
+    (candidate,) = policy.propose(state, Failure(kind=FailureKind.CRASH, devices=state.failed))
+    assert candidate.feasible, candidate.note
+    assert candidate.plan == state.plan  # every replica where it was, none lost
+    t = candidate.transition
+    assert t.restart_s == 3.0 and t.weight_transfer_s > 0  # its state copied from a peer
+    # the device itself lost (its node): no spare to start on, declined
+    lost = FlashRecoveryPolicy(same_devices=True).propose(
+        state, Failure(kind=FailureKind.NODE_LOST, devices=state.failed)
+    )
+    assert [c.code for c in lost] == [Code.NO_SPARE]
+    # without the option, the paper's: spares only
+    assert (
+        not FlashRecoveryPolicy()
+        .propose(state, Failure(kind=FailureKind.CRASH, devices=state.failed))[0]
+        .feasible
+    )
