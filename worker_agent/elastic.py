@@ -22,7 +22,9 @@ run again on the new world: the lost replica's micro-batches are rerouted to the
 (Odyssey's data rerouting at the replica level), the global batch and the learning-rate schedule
 unchanged; the loss and weights match an uninterrupted run's within float rounding (the sum of
 the micro-batches' gradients is taken in another order). A plan without this rank leaves it
-idle; ``stop`` ends it (``Stopped``, a ``SystemExit`` with status 0).
+idle; ``stop`` ends it (``Stopped``, a ``SystemExit`` with status 0). A process started again
+into a generation (its predecessor crashed; the launcher starts it) takes the model, optimizer
+state and step of a live replica as it joins (``_enter``): FlashRecovery's restore from peers.
 
 Under ``pitstop-run --elastic`` the launcher gives each process its device, the job's store
 (hosted by node 0's launcher), the generation and the world's members (``PITSTOP_DEVICE``,
