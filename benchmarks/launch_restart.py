@@ -14,10 +14,13 @@ of sleep a step), two processes on this host, resuming from its checkpoint when 
 - **elastic**: the same model and data written with ``worker_agent.elastic``
   (``examples/elastic_ddp.py``, four micro-batches a step) under ``--elastic``; the job asks
   ``rerouting``, so rank 1's micro-batches go to rank 0, which goes on in memory.
+- **restore**: the same, the job asking ``flashrecovery`` on the same devices: rank 1's process
+  is started again and takes rank 0's state over the network as it joins.
 
 Each repetition waits for step 12, SIGKILLs the process of rank 1 and times until the first
-step line of a restarted script (``restart`` ≥ 1) is read from the output, or for ``elastic``
-the first step of rank 0 alone (``world 1``). The ratios are Pitstop's medians over torchrun's.
+step line of a restarted script (``restart`` ≥ 1) is read from the output, for ``elastic`` the
+first step of rank 0 alone (``world 1``), for ``restore`` the first step line of rank 1's new
+process. The ratios are Pitstop's medians over torchrun's.
 
     python -m benchmarks.launch_restart [--repeats 3] [--timeout 120] [--out PATH]
 
@@ -54,6 +57,7 @@ LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$"
 # elastic_ddp.py's lines have no restart count: read as restart 0, or 1 once the world shrank
 ELASTIC_LINE = re.compile(rb"^rank (\d+) step (\d+) loss \S+ world (\d+)$", re.M)
 WARMUP_STEPS = 12
+ARMS = ("torchrun", "pitstop", "elastic", "restore")  # the baseline first
 OPEN = ("planning", "proposed", "approved", "overridden", "auto_applied", "applying")
 
 
@@ -88,6 +92,19 @@ def _seen(out: Path, check: Callable[[list[tuple[int, int, int, int]]], bool]) -
     return check(_lines(out))
 
 
+Lines = list[tuple[int, int, int, int]]
+
+
+def restarted(before: Lines, now: Lines) -> bool:
+    """A step of a restarted script, or of rank 0 alone (an elastic world made smaller)."""
+    return any(n >= 1 for _, _, n, _ in now)
+
+
+def rank_1_again(before: Lines, now: Lines) -> bool:
+    """A step line of rank 1 since the kill: its new process stepped (the killed one cannot)."""
+    return sum(1 for r, *_ in now if r == 1) > sum(1 for r, *_ in before if r == 1)
+
+
 def one_run(
     argv: list[str],
     out: Path,
@@ -95,9 +112,10 @@ def one_run(
     then: Callable[[], dict[str, Any]] | None = None,
     *,
     timeout: float,
+    again: Callable[[Lines, Lines], bool] = restarted,
 ) -> dict[str, Any]:
-    """Start ``argv``, kill rank 1 once trained, time until a restarted process stepped; what
-    ``then`` adds, read while it still runs."""
+    """Start ``argv``, kill rank 1 once trained, time until ``again`` sees it train again (the
+    lines at the kill and now); what ``then`` adds, read while it still runs."""
     process = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=out.open("wb"), stderr=subprocess.STDOUT
     )
@@ -110,8 +128,9 @@ def one_run(
         victim = wait_for(lambda: _ranks(process.pid).get(1), "rank 1's process", 10)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
+        at_kill = _lines(out)
         wait_for(
-            lambda: _seen(out, lambda ls: any(n >= 1 for _, _, n, _ in ls)),
+            lambda: again(at_kill, _lines(out)),
             "a step after a restart",
             timeout,
             interval=0.01,  # the time is read to a hundredth of a second
@@ -165,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be ≥ 1 and --timeout > 0")
     scenario = json.loads(SCENARIO.read_text())
     scenario["cluster"]["devices_per_node"] = 2  # both processes on this one node
-    rows: dict[str, list[dict[str, Any]]] = {"torchrun": [], "pitstop": [], "elastic": []}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ARMS}
+    restore = json.loads(json.dumps(scenario))
+    restore.setdefault("policies", {})["flashrecovery"] = {"same_devices": True, "restart_s": 3.0}
     with tempfile.TemporaryDirectory(prefix="pitstop-launch-restart-") as tmp:
         data = Path(tmp)
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
@@ -181,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plane.start()
             jobs = [
-                {"name": f"{kind}-{i}", "scenario": scenario, "mode": "auto", "policies": [policy]}
+                {"name": f"{kind}-{i}", "scenario": shape, "mode": "auto", "policies": [policy]}
                 for i in range(args.repeats)
-                for kind, policy in (("ddp", "restart"), ("elastic", "rerouting"))
+                for kind, policy, shape in (
+                    ("ddp", "restart", scenario),
+                    ("elastic", "rerouting", scenario),
+                    ("restore", "flashrecovery", restore),
+                )
             ]
             made = plane.setup("bench", "bench", jobs)["jobs"]
-            progress = tqdm(total=3 * args.repeats, desc="kills", unit="run")
+            progress = tqdm(total=len(ARMS) * args.repeats, desc="kills", unit="run")
             for i in range(args.repeats):
                 script = [
                     str(SCRIPT), "--steps", "100000", "--step-s", "0.05",
@@ -214,23 +239,25 @@ def main(argv: list[str] | None = None) -> int:
                 rows["pitstop"].append(pitstop)
                 progress.update()
                 elastic = [str(ELASTIC_SCRIPT), "--steps", "100000", "--step-s", "0.05"]
-                launch[-1] = f"elastic-{i}"
-                rows["elastic"].append(
-                    one_run(
-                        [*launch, "--elastic", *elastic, "--micro-batches", "4"],
-                        data / f"elastic-{i}.out",
-                        {
-                            **env,
-                            "PITSTOP_AGENT_TOKEN": made[f"elastic-{i}"]["token"],
-                            "PYTHONPATH": str(ROOT),
-                        },
-                        then=functools.partial(
-                            recovery, plane, made[f"elastic-{i}"]["id"], args.timeout
-                        ),
-                        timeout=args.timeout,
+                for kind, again in (("elastic", restarted), ("restore", rank_1_again)):
+                    launch[-1] = f"{kind}-{i}"
+                    rows[kind].append(
+                        one_run(
+                            [*launch, "--elastic", *elastic, "--micro-batches", "4"],
+                            data / f"{kind}-{i}.out",
+                            {
+                                **env,
+                                "PITSTOP_AGENT_TOKEN": made[f"{kind}-{i}"]["token"],
+                                "PYTHONPATH": str(ROOT),
+                            },
+                            then=functools.partial(
+                                recovery, plane, made[f"{kind}-{i}"]["id"], args.timeout
+                            ),
+                            timeout=args.timeout,
+                            again=again,
+                        )
                     )
-                )
-                progress.update()
+                    progress.update()
             progress.close()
         finally:
             processes.stop_all()
@@ -246,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     theirs = summary["torchrun"]["median_s"]
     ratios = {
         name: summary[name]["median_s"] / theirs if theirs and summary[name]["median_s"] else None
-        for name in ("pitstop", "elastic")
+        for name in ARMS[1:]
     }
     print(f"{'launcher':<10} {'recovered':>9} {'median s':>9} {'range s':>15}")
     for name, row in summary.items():
@@ -261,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         {"summary": summary, "ratio": ratios["pitstop"], "ratios": ratios, "rows": rows},
     )
     # torchrun's own failures are measured, not this benchmark's: only Pitstop's fail it
-    ours = [summary[name] for name in ("pitstop", "elastic")]
+    ours = [summary[name] for name in ARMS[1:]]
     return 0 if all(row["recovered"] == row["runs"] for row in ours) else 1
 
 
