@@ -115,8 +115,13 @@ def test_a_plain_ddp_script_runs_unchanged_on_two_nodes_as_under_torchrun() -> N
     assert reference.returncode == 0, reference.stderr
     server, port = ScriptedServer(), free_port()
     try:
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-        nodes = [launch_node(rank, port, server.url, script, **pipes) for rank in (0, 1)]
+        nodes = [
+            launch_node(
+                rank, port, server.url, script,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for rank in (0, 1)
+        ]  # fmt: skip
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
         server.close()

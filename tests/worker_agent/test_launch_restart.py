@@ -35,6 +35,7 @@ from tests.worker_agent.helpers import (
 from tests.worker_agent.trainer.reference import pipeline, plan, stage
 
 SCRIPT = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
+FSDP2_SCRIPT = str(REPO_ROOT / "examples" / "torchrun_fsdp2.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LINE = re.compile(r"^rank (\d+) step (\d+) loss (\S+) restart (\d+) world (\d+)$", re.M)
 TIMEOUT_S = 120.0
@@ -47,10 +48,10 @@ def lines(path: Path) -> list[tuple[int, int, str, int, int]]:
 
 
 class Nodes:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, program: str = SCRIPT) -> None:
         self.tmp, port = tmp, free_port()
         self.servers = [ScriptedServer(), ScriptedServer()]
-        script = [SCRIPT, "--steps", "100000", "--step-s", "0.05"]
+        script = [program, "--steps", "100000", "--step-s", "0.05"]
         script += ["--checkpoint-dir", str(tmp / "checkpoint")]
         self.processes = [
             launch_node(
@@ -98,6 +99,9 @@ def _crash(nodes: Nodes) -> tuple[int, float]:
     for server in nodes.servers:
         poll(functools.partial(server.of_type, "fault"), "a node's crash", TIMEOUT_S)
     assert [p.poll() for p in nodes.processes] == [None, None]  # they wait for the plan
+    marker = nodes.tmp / "checkpoint" / "latest"  # the FSDP2 script's: its newest complete one
+    if marker.exists():
+        return int(marker.read_text()), killed_at
     # rank 0 saves after printing a step that is a multiple of 5, before the barrier
     done = max(s for r, s, *_ in nodes.out(0) if r == 0)
     return done - done % 5, killed_at
@@ -167,3 +171,39 @@ def test_a_shrunk_world_restarts_on_the_surviving_device_alone(nodes: Nodes) -> 
     beat = nodes.servers[1].last_beat()
     assert beat is not None and [d["state"] for d in beat["devices"]] == ["idle"]
     assert [p.poll() for p in nodes.processes] == [None, None]
+
+
+def test_an_fsdp2_script_resumes_on_fewer_ranks_from_its_resharded_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """examples/torchrun_fsdp2.py: sharded over two ranks, its checkpoint saved asynchronously
+    through torch.distributed.checkpoint; node-1's rank killed and the world shrunk to device
+    0, the script loads the two ranks' shards onto one and trains on from the checkpoint's step
+    with the losses of an uninterrupted two-rank run (the same global batch: float rounding
+    apart, the sums are taken in another order)."""
+    nodes = Nodes(tmp_path, FSDP2_SCRIPT)
+    try:
+        checkpoint, _ = _crash(nodes)
+        assert checkpoint >= 5
+        acks = _restart(nodes, [0])
+        assert [a["ok"] for a in acks] == [True, True], acks
+        poll(lambda: len([x for x in nodes.out(0) if x[3] == 1]) >= 4, "node-0 alone", TIMEOUT_S)
+    finally:
+        nodes.close()
+    after = [line for line in nodes.out(0) if line[3] == 1]
+    assert {(r, w) for r, _, _, _, w in after} == {(0, 1)}
+    assert min(s for _, s, *_ in after) == checkpoint + 1
+    last = max(s for _, s, *_ in after)
+    reference = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", FSDP2_SCRIPT, "--steps", str(last)],
+        env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = {int(s): float(loss) for r, s, loss, _, _ in LINE.findall(reference.stdout)}
+    for _, step, loss, _, _ in after:
+        assert abs(float(loss) - expected[step]) <= 1e-5 * max(1.0, expected[step]), step
+    blocked = re.findall(
+        r"checkpoint step \d+: blocked (\S+) s", (tmp_path / "node-0.err").read_text()
+    )
+    assert blocked, "the saves' blocking times are reported"
