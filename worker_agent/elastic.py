@@ -110,7 +110,14 @@ class DataParallel:
             )
         self.generation: Generation | None = None
         self._watcher: AbortWatcher | None = None
-        self._enter(prefix, everyone)
+        try:
+            self._enter(prefix, everyone)
+        except Aborted:  # a peer failed before the first step: wait for the plan around it
+            if not self.link.active:
+                raise
+            self._leave()
+            self.link.set_state("idle")
+            return
         self.link.set_state("training")
 
     # --- the world --------------------------------------------------------------------------

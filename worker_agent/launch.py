@@ -184,6 +184,7 @@ class Launcher(Agent):
     def __init__(self, settings: Settings, world: World) -> None:
         self.world = world
         self.restarting: set[str] = set()  # apply_plan commands being carried out
+        self.started_for: set[str] = set()  # --elastic: plans whose dead devices were started
         self._one_at_a_time = asyncio.Lock()  # restarts never overlap
         super().__init__(
             dataclasses.replace(
@@ -227,8 +228,9 @@ class Launcher(Agent):
         # --elastic, in memory: the running processes had the plan; one of this node's devices
         # in it whose process is gone (it crashed) starts again in the plan's generation and
         # takes its state from a live replica as it joins (worker_agent.elastic)
-        if self._refusal(command) is not None:
-            return
+        if command.id in self.started_for or self._refusal(command) is not None:
+            return  # sent again (done once already), or refused
+        self.started_for.add(command.id)
         members = sorted(protocol.plan_devices(command.plan))
         self.world = dataclasses.replace(self.world, members=tuple(members))
         for device in self.settings.devices:

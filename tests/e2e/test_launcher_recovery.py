@@ -227,9 +227,9 @@ def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
     assert not [line for line in steps(stack, 0) if line[2] == 0]  # it never trained before
 
 
-def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
-    stack: Stack,
-) -> None:
+def elastic_job(stack: Stack) -> tuple[str, int]:
+    """Two launchers of examples/elastic_ddp.py under --elastic, the job made by the first with
+    an admin's token, both training: the admin's token and the job."""
     admin = stack.manage("shell", "-c", ADMIN)
     for name in ("redis", "server", "worker"):
         stack.start(name)
@@ -238,24 +238,36 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
         launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
-    policies = stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"]
-    assert policies == ["rerouting", "flashrecovery", "restart"]
     live = f"/api/v1/jobs/{job}/live/"
     stack.wait(
         lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
         "both nodes training",
         150,
     )
-    survivor = children_of(stack.processes["agent-node-0"].pid)
-    stack.kill("agent-node-1")  # the node is gone: no restart in place, no spare
-    killed_at = time.monotonic()
-    decision = stack.wait(
+    return admin, job
+
+
+def ended(stack: Stack, admin: str, job: int) -> dict[str, Any]:
+    """The job's latest recovery once it ended, recovered or failed."""
+    return stack.wait(  # type: ignore[no-any-return]
         lambda: (
             (d := latest_recovery(stack, admin, job)).get("status") in ("recovered", "failed") and d
         ),
         "the recovery",
         90,
     )
+
+
+def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
+    stack: Stack,
+) -> None:
+    admin, job = elastic_job(stack)
+    policies = stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"]
+    assert policies == ["rerouting", "flashrecovery", "restart"]
+    survivor = children_of(stack.processes["agent-node-0"].pid)
+    stack.kill("agent-node-1")  # the node is gone: no restart in place, no spare
+    killed_at = time.monotonic()
+    decision = ended(stack, admin, job)
     recovered_s = time.monotonic() - killed_at
     assert decision["status"] == "recovered", decision
     assert decision["candidates"][decision["chosen"]]["policy"] == "rerouting"
@@ -271,20 +283,7 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
 def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(
     stack: Stack,
 ) -> None:
-    admin = stack.manage("shell", "-c", ADMIN)
-    for name in ("redis", "server", "worker"):
-        stack.start(name)
-    port = free_port()
-    for rank in (0, 1):
-        launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
-    jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
-    (job,) = [j["id"] for j in jobs]
-    live = f"/api/v1/jobs/{job}/live/"
-    stack.wait(
-        lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
-        "both nodes training",
-        150,
-    )
+    admin, job = elastic_job(stack)
 
     def node_1_steps() -> list[int]:
         return [int(s) for _, s, _ in ELASTIC_LINE.findall((stack.tmp / "node-1.out").read_text())]
@@ -294,13 +293,7 @@ def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(
     os.kill(victim, signal.SIGKILL)  # the process, not its node: its device can run another
     before = max(node_1_steps())
     killed_at = time.monotonic()
-    decision = stack.wait(
-        lambda: (
-            (d := latest_recovery(stack, admin, job)).get("status") in ("recovered", "failed") and d
-        ),
-        "the recovery",
-        90,
-    )
+    decision = ended(stack, admin, job)
     recovered_s = time.monotonic() - killed_at
     assert decision["status"] == "recovered", decision
     # the cost model's choice: every replica back (the rerouted world would be half as fast

@@ -47,6 +47,17 @@ def lines(path: Path) -> list[tuple[int, int, str, int, int]]:
     return [(int(r), int(s), loss, int(n), int(w)) for r, s, loss, n, w in LINE.findall(text)]
 
 
+def uninterrupted(script: str, steps: int) -> dict[tuple[int, int], str]:
+    """(rank, step) -> loss of ``script`` under torchrun on two ranks, never stopped."""
+    reference = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, "--steps", str(steps)],
+        env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return {(int(r), int(s)): loss for r, s, loss, _, _ in LINE.findall(reference.stdout)}
+
+
 class Nodes:
     def __init__(self, tmp: Path, program: str = SCRIPT) -> None:
         self.tmp, port = tmp, free_port()
@@ -145,13 +156,7 @@ def test_a_killed_rank_is_restarted_in_place_and_trains_on_as_if_never_stopped(
     assert first == checkpoint + 1  # resumed from its checkpoint, by the script itself
     # the reference: the same script under torchrun, never stopped, for as many steps
     last = max(s for _, s, *_ in after)
-    reference = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(last)],
-        env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
-    expected = {(int(r), int(s)): loss for r, s, loss, _, _ in LINE.findall(reference.stdout)}
+    expected = uninterrupted(SCRIPT, last)
     assert {(r, s): loss for r, s, loss, _, _ in after} == {
         key: loss for key, loss in expected.items() if key[1] >= first
     }
@@ -194,15 +199,10 @@ def test_an_fsdp2_script_resumes_on_fewer_ranks_from_its_resharded_checkpoint(
     assert {(r, w) for r, _, _, _, w in after} == {(0, 1)}
     assert min(s for _, s, *_ in after) == checkpoint + 1
     last = max(s for _, s, *_ in after)
-    reference = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", FSDP2_SCRIPT, "--steps", str(last)],
-        env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = {int(s): float(loss) for r, s, loss, _, _ in LINE.findall(reference.stdout)}
-    for _, step, loss, _, _ in after:
-        assert abs(float(loss) - expected[step]) <= 1e-5 * max(1.0, expected[step]), step
+    expected = uninterrupted(FSDP2_SCRIPT, last)
+    for rank, step, loss, _, _ in after:
+        want = float(expected[(rank, step)])
+        assert abs(float(loss) - want) <= 1e-5 * max(1.0, want), step
     blocked = re.findall(
         r"checkpoint step \d+: blocked (\S+) s", (tmp_path / "node-0.err").read_text()
     )
