@@ -72,6 +72,18 @@ def launch(
     )  # fmt: skip
 
 
+def both_training(stack: Stack, token: str, job: int, step: int) -> None:
+    """Until both nodes are connected and the job's step (none before the first) is past
+    ``step``."""
+    live = f"/api/v1/jobs/{job}/live/"
+
+    def check() -> bool:
+        now = stack.api(live, token)
+        return bool(now["nodes_connected"] == 2 and (now["step"] or 0) >= step)
+
+    stack.wait(check, "both nodes training", 150)
+
+
 def steps(stack: Stack, rank: int) -> list[tuple[int, int, int, int]]:
     path = stack.tmp / f"node-{rank}.out"
     found = LINE.findall(path.read_text()) if path.exists() else []
@@ -88,14 +100,7 @@ def test_a_killed_rank_of_an_unmodified_script_is_restarted_from_its_checkpoint(
     port = free_port()
     for rank in (0, 1):
         launch(stack, rank, port, token=made["agent_token"])
-    live = f"/api/v1/jobs/{job}/live/"
-    stack.wait(
-        lambda: (
-            stack.api(live, token)["nodes_connected"] == 2 and stack.api(live, token)["step"] >= 12
-        ),
-        "both nodes training",
-        150,
-    )
+    both_training(stack, token, job, 12)
     (rank,) = children_of(stack.processes["agent-node-1"].pid)
     os.kill(rank, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -154,14 +159,7 @@ def test_nodes_make_their_job_and_a_node_in_a_lost_ones_place_brings_it_back(
     details = stack.api(f"/api/v1/jobs/{job}/", admin)
     assert details["enabled_policies"] == ["restart"]
     assert details["devices"]["healthy"] + details["devices"]["unheard"] == 2
-    live = f"/api/v1/jobs/{job}/live/"
-    stack.wait(
-        lambda: (
-            stack.api(live, admin)["nodes_connected"] == 2 and stack.api(live, admin)["step"] >= 8
-        ),
-        "both nodes training",
-        150,
-    )
+    both_training(stack, admin, job, 8)
     # node-1's host goes away (its launcher and, with it, its rank): no spare, no smaller
     # world allowed, so the job waits for a node in its place
     stack.kill("agent-node-1")
@@ -238,12 +236,7 @@ def elastic_job(stack: Stack) -> tuple[str, int]:
         launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
-    live = f"/api/v1/jobs/{job}/live/"
-    stack.wait(
-        lambda: (now := stack.api(live, admin))["nodes_connected"] == 2 and now["step"] >= 8,
-        "both nodes training",
-        150,
-    )
+    both_training(stack, admin, job, 8)
     return admin, job
 
 
