@@ -154,10 +154,11 @@ def test_a_killed_rank_is_restarted_in_place_and_trains_on_as_if_never_stopped(
     assert {(r, w) for r, _, _, _, w in after} == {(0, 2), (1, 2)}
     first = min(s for _, s, *_ in after)
     assert first == checkpoint + 1  # resumed from its checkpoint, by the script itself
-    # the reference: the same script under torchrun, never stopped, for as many steps
-    last = max(s for _, s, *_ in after)
+    # the reference: the same script under torchrun, never stopped, for as many steps as both
+    # ranks printed when the output was read (one may have printed a step the other had not)
+    last = min(max(s for rank, s, *_ in after if rank == r) for r in (0, 1))
     expected = uninterrupted(SCRIPT, last)
-    assert {(r, s): loss for r, s, loss, _, _ in after} == {
+    assert {(r, s): loss for r, s, loss, _, _ in after if s <= last} == {
         key: loss for key, loss in expected.items() if key[1] >= first
     }
     print(f"restart in place: training again {again_s:.1f} s after the kill")
