@@ -86,7 +86,6 @@ class DataParallel:
         self.link = link if link is not None else TrainerLink.from_env()
         self.step = 0
         self._last: float | None = None  # when the previous step ended
-        self.restored_from: int | None = None  # the member whose state this one took, if any
         self.params = [p for p in model.parameters() if p.requires_grad]
         env = os.environ
         if self.link.active:
@@ -161,22 +160,19 @@ class DataParallel:
         furthest = int(steps.max())
         if int(steps.min()) == furthest:
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-            if self.device != min(generation.members):
-                flat.zero_()  # a sum with zeros is the source's values, bit for bit
-            generation.guard(lambda: generation.all_reduce(generation.members, flat))
+            generation.guard(lambda: generation.broadcast(flat, min(generation.members)))
             self._unflatten(flat, [p.data for p in self.params])
             return
         source = generation.members[int((steps == furthest).nonzero()[0])]
-        state = self._broadcast(generation, source)
+        state = self._state_of(generation, source)
         if self.device != source:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
-        self.restored_from = source
 
-    def _broadcast(self, generation: Generation, source: int) -> dict[str, Any]:
-        """``source``'s model, optimizer state and step, on every member (one all-reduce of
-        its length, one of its bytes: the others add zeros)."""
+    def _state_of(self, generation: Generation, source: int) -> dict[str, Any]:
+        """``source``'s model, optimizer state and step, on every member (its length, then its
+        bytes, each broadcast)."""
         blob = b""
         if self.device == source:
             buffer = io.BytesIO()
@@ -184,11 +180,12 @@ class DataParallel:
             torch.save({**state, "step": self.step}, buffer)
             blob = buffer.getvalue()
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        generation.guard(lambda: generation.all_reduce(generation.members, size))
-        data = torch.zeros(int(size), dtype=torch.uint8)
+        generation.guard(lambda: generation.broadcast(size, source))
         if blob:
-            data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        generation.guard(lambda: generation.all_reduce(generation.members, data))
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        generation.guard(lambda: generation.broadcast(data, source))
         loaded: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         return loaded
 

@@ -535,6 +535,8 @@ def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
             " (or PITSTOP_JOB and PITSTOP_AGENT_TOKEN or PITSTOP_API_TOKEN)"
         )
     server_url(p, args.server)
+    if len(world.devices) > protocol.MAX_DEVICES:  # before a job is made from these flags
+        p.error(f"--nproc-per-node: at most {protocol.MAX_DEVICES}")
     token = args.token
     if token is None:
         min_nodes, _ = parse_min_max_nnodes(args.nnodes)
@@ -546,8 +548,6 @@ def settings_from(argv: Sequence[str] | None) -> tuple[Settings, World]:
         except LaunchRefused as exc:
             p.exit(2, f"{p.prog}: {exc}\n")
         log.info("job %s %s", args.job, "created" if created else "joined")
-    if len(world.devices) > protocol.MAX_DEVICES:
-        p.error(f"--nproc-per-node: at most {protocol.MAX_DEVICES}")
     settings = Settings(
         server=args.server,
         job=args.job,

@@ -47,6 +47,21 @@ def train(optimizer: torch.optim.Optimizer, model: torch.nn.Module, steps: int) 
         optimizer.step()
 
 
+def hooked(
+    hook: ModuleType,
+    pipe: tuple[int, int],
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+) -> list[dict[str, object]]:
+    """What the hook says over the pipe while ``optimizer`` takes three steps."""
+    handle = register_optimizer_step_post_hook(hook._Steps(pipe[1]))
+    try:
+        train(optimizer, model, 3)
+    finally:
+        handle.remove()
+    return said(pipe[0])
+
+
 @pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
 def test_an_optimizer_restored_from_a_checkpoint_reports_its_own_steps(
     hook: ModuleType, pipe: tuple[int, int], kind: Any
@@ -58,13 +73,7 @@ def test_an_optimizer_restored_from_a_checkpoint_reports_its_own_steps(
     saved = before.state_dict()
     after = kind(model.parameters())
     after.load_state_dict(saved)
-    steps = hook._Steps(pipe[1])
-    handle = register_optimizer_step_post_hook(steps)
-    try:
-        train(after, model, 3)
-    finally:
-        handle.remove()
-    reported = [m["step"] for m in said(pipe[0]) if m["t"] == "step"]
+    reported = [m["step"] for m in hooked(hook, pipe, after, model) if m["t"] == "step"]
     assert reported == [8, 9, 10]
 
 
@@ -73,12 +82,6 @@ def test_an_optimizer_that_keeps_no_step_is_counted_from_the_start(
 ) -> None:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    steps = hook._Steps(pipe[1])
-    handle = register_optimizer_step_post_hook(steps)
-    try:
-        train(optimizer, model, 3)
-    finally:
-        handle.remove()
-    messages = said(pipe[0])
+    messages = hooked(hook, pipe, optimizer, model)
     assert messages[0] == {"t": "state", "state": "training"}
     assert [m["step"] for m in messages if m["t"] == "step"] == [1, 2, 3]

@@ -9,9 +9,9 @@ step's number and duration. The number is the optimizer's own where it keeps one
 kin hold ``step`` in their state, which a checkpoint restores, so a restarted script goes on
 from its checkpoint's step); otherwise the steps are counted from the process's start. That
 is how the launcher sees an unmodified script start training, hang (no step for long) or
-straggle. Only the first
-optimizer to step is counted, so a script with two steps each one once. Then the
-``sitecustomize`` this one hides, if another folder on the path has one, runs as it would have.
+straggle. Only the first optimizer to step is counted, so a script with two steps each one
+once. Then the ``sitecustomize`` this one hides, if another folder on the path has one, runs as
+it would have.
 Nothing here imports more than the standard library.
 """
 

@@ -450,6 +450,18 @@ class Generation:
             return stream.add(work, tensor)
         return stream.add(work, host, then=functools.partial(tensor.copy_, host))
 
+    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        """``tensor`` as device ``source`` holds it, on every member, in place."""
+        if len(self.members) < 2:
+            return
+        options = dist.BroadcastOptions()
+        options.rootRank = self.rank_of(source)
+        try:
+            work = self._collectives.broadcast([tensor], options)
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from exc
+        wait_collective(work, self.abort)
+
     def all_reduce(self, devices: Sequence[int], tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the group of ``devices`` (nothing to do for one)."""
         if len(set(devices)) < 2:

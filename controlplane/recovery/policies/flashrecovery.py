@@ -25,7 +25,7 @@ from controlplane.recovery.policies.replacement import (
     copy_time_s,
     replace_stages,
 )
-from controlplane.recovery.policies.restart import PROCESS_FAULTS
+from controlplane.recovery.policies.restart import reusable
 
 # FlashRecovery §6's measured costs: the in-place restart whatever the scale (Table III: 78-116 s,
 # median 90; 85 s plus the restore reproduces it), and the ~1 s setup of the peer-to-peer copy.
@@ -58,10 +58,9 @@ def in_place(state: ClusterState, failure: Failure, broken: Sequence[StageKey]) 
     processes of a process's fault (crash, hang, NaN: this failure's, or an earlier one's on a
     node still heard, ``state.restartable``) start again where they ran. InfeasiblePlan
     (``NO_SPARE``) when a device of the plan is down for another reason."""
-    mine = failure.devices if failure.kind in PROCESS_FAULTS else frozenset()
     down = state.failed & set(state.plan.devices())
-    if not down <= mine | state.restartable:
-        lost = sorted(down - mine - state.restartable)
+    lost = sorted(down - reusable(state, failure))
+    if lost:
         raise InfeasiblePlan(
             f"devices {lost} are down, not their processes: a replica cannot start again there",
             decline=Code.NO_SPARE,

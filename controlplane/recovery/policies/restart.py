@@ -50,6 +50,14 @@ from controlplane.recovery.policies.replacement import broken_stages, replace_st
 PROCESS_FAULTS = frozenset({FailureKind.CRASH, FailureKind.HANG, FailureKind.NAN})
 
 
+def reusable(state: ClusterState, failure: Failure) -> frozenset[int]:
+    """Devices whose process may start again where it ran: those of this failure when it is a
+    process's fault (crash, hang, NaN), and those of an earlier one on a node still heard
+    (``state.restartable``)."""
+    mine = failure.devices if failure.kind in PROCESS_FAULTS else frozenset()
+    return mine | state.restartable
+
+
 def shrunk(plan: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | None:
     """The replicas (pipelines) of ``plan`` that lost no device, the global batch's
     micro-batches shared out among them again; None when none is left."""
@@ -94,9 +102,7 @@ class RestartPolicy(SteadyCosts):
         # in place: only devices down by a process's fault (this failure's, or an earlier
         # one's on a node still heard: ``state.restartable``) may be down in the plan; the
         # failure's other devices may be up again (a node joined in a lost one's place)
-        mine = failure.devices if failure.kind in PROCESS_FAULTS else frozenset()
-        reusable = mine | state.restartable
-        if state.failed & plan_devices <= reusable:
+        if state.failed & plan_devices <= reusable(state, failure):
             candidates.append(self._restart(state, state.plan, restart))
         broken = broken_stages(state)
         if broken:
