@@ -40,14 +40,22 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from worker_agent import protocol
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
-from worker_agent.trainer.comm import Aborted, AbortWatcher, Generation, connect
+from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation, connect
+
+# A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
+# command, named here, once it has joined the plan's world.
+JOINED_VARIABLE = "PITSTOP_JOINED_COMMAND"
 
 
 class Stopped(SystemExit):
@@ -67,6 +75,25 @@ def share(members: Sequence[int], device: int, micro_batches: int) -> range:
     return range(first, first + each + (1 if rank < extra else 0))
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard of a sharded (``DTensor``) one, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's shard of a tensor sharded as ``reference`` is (or itself)."""
+    if not isinstance(reference, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        reference.device_mesh,
+        reference.placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
+
+
 class DataParallel:
     """``model`` trained by data parallelism over the job's members, in memory across a lost
     replica (module docstring). ``model`` and ``optimizer`` are the script's own; the step
@@ -80,13 +107,17 @@ class DataParallel:
         micro_batches: int,
         link: TrainerLink | None = None,
     ) -> None:
+        self._connect(micro_batches, link)
+        self._attach(model, optimizer)
+
+    def _connect(self, micro_batches: int, link: TrainerLink | None) -> None:
+        """This process's device, the job's store and the world it starts in."""
         if micro_batches < 1:
             raise ValueError("micro_batches must be at least 1")
-        self.model, self.optimizer, self.micro_batches = model, optimizer, micro_batches
+        self.micro_batches = micro_batches
         self.link = link if link is not None else TrainerLink.from_env()
         self.step = 0
         self._last: float | None = None  # when the previous step ended
-        self.params = [p for p in model.parameters() if p.requires_grad]
         env = os.environ
         if self.link.active:
             if self.link.device is None or self.link.store is None:
@@ -94,13 +125,13 @@ class DataParallel:
             self.device = self.link.device
             host, _, port = self.link.store.rpartition(":")
             members = env.get("PITSTOP_MEMBERS", "")
-            everyone = [int(d) for d in members.split(",") if d] or [self.device]
-            prefix = self.link.generation
+            self._everyone = [int(d) for d in members.split(",") if d] or [self.device]
+            self._prefix = self.link.generation
             self._host, self._port = host, int(port)
             self.store: Any = connect(host, int(port))
         else:  # plain torchrun: its store, or rank 0's, as a script's init_process_group
             self.device, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-            everyone, prefix = list(range(world)), "d0/"
+            self._everyone, self._prefix = list(range(world)), "d0/"
             self._host = env.get("MASTER_ADDR", "127.0.0.1")
             self._port = int(env.get("MASTER_PORT", "29500"))
             hosts = self.device == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -109,15 +140,51 @@ class DataParallel:
             )
         self.generation: Generation | None = None
         self._watcher: AbortWatcher | None = None
+
+    def _attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Train ``model`` with ``optimizer``: join the first world and start it from one
+        state (a process started again into a generation takes a live replica's)."""
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
         try:
-            self._enter(prefix, everyone)
+            self._enter(self._prefix, self._everyone)
         except Aborted:  # a peer failed before the first step: wait for the plan around it
             if not self.link.active:
                 raise
             self._leave()
             self.link.set_state("idle")
             return
+        joined = os.environ.pop(JOINED_VARIABLE, None)
+        if joined:  # started again by its own process for this plan (HybridSharded)
+            self.link.done(joined, True)
         self.link.set_state("training")
+
+    # --- what DataParallel and HybridSharded do differently ---------------------------------
+
+    def _group_of(self, device: int) -> int:
+        """The replica a device belongs to: here each device is one."""
+        return device
+
+    def _replicas(self, members: Sequence[int]) -> list[tuple[int, ...]]:
+        """The device sets whose tensors are replicas of one another (summed, broadcast)."""
+        return [tuple(sorted(members))]
+
+    def _peers(self, members: Sequence[int]) -> tuple[int, ...]:
+        return next(r for r in self._replicas(members) if self.device in r)
+
+    def _passes(self, members: Sequence[int]) -> list[tuple[int, float]]:
+        """This rank's forward-backward passes of a step: a micro-batch index and its weight."""
+        return [(i, 1.0) for i in share(members, self.device, self.micro_batches)]
+
+    def _sync_gradients(self, last: bool) -> None:
+        """Before each pass: whether its backward is the step's last."""
+
+    def _refusal(self, members: Sequence[int]) -> LinkError | None:
+        """Why this rank cannot train in a world of ``members``, if it cannot."""
+        return None
+
+    def _before_entering(self, command: CommandMessage, members: Sequence[int]) -> None:
+        """What a plan that keeps this rank needs before the rank joins its generation."""
 
     # --- the world --------------------------------------------------------------------------
 
@@ -130,7 +197,10 @@ class DataParallel:
         abort = threading.Event()
         watcher = AbortWatcher(self._host, self._port, prefix, abort)
         try:
-            generation = Generation(self.store, prefix, self.device, members, abort)
+            subsets = self._replicas(members)
+            generation = Generation(
+                self.store, prefix, self.device, members, abort, subsets=subsets
+            )
         except Aborted:
             watcher.stop()
             raise
@@ -147,47 +217,76 @@ class DataParallel:
     def _enter(self, prefix: str, members: Sequence[int]) -> None:
         """Join the generation of ``members`` and start it from one state (every member calls
         it, the new ones from their start, the others when the plan comes): when every member
-        is at the same step, the lowest member's weights, as DDP's broadcast; otherwise the
-        model, optimizer state and step of the lowest member furthest on, copied to the others
+        is at the same step, the lowest replica's weights, as DDP's broadcast; otherwise the
+        model, optimizer state and step of the lowest replica furthest on, copied to the others
         over the network (a restarted or replacement process restored from a live replica:
         FlashRecovery's restore from peers, no checkpoint)."""
         self._join(prefix, members)
         generation = self.generation
         assert generation is not None
+        peers = self._peers(generation.members)
         steps = torch.zeros(len(generation.members), dtype=torch.int64)
         steps[generation.rank] = self.step + 1
         generation.guard(lambda: generation.all_reduce(generation.members, steps))
         furthest = int(steps.max())
         if int(steps.min()) == furthest:
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-            generation.guard(lambda: generation.broadcast(flat, min(generation.members)))
-            self._unflatten(flat, [p.data for p in self.params])
+            flat = torch.cat([_local(p).detach().reshape(-1) for p in self.params])
+            generation.guard(lambda: generation.broadcast(flat, min(peers), peers))
+            self._unflatten(flat, [_local(p).data for p in self.params])
             return
-        source = generation.members[int((steps == furthest).nonzero()[0])]
-        state = self._state_of(generation, source)
+        ahead = self._group_of(generation.members[int((steps == furthest).nonzero()[0])])
+        source = next(d for d in peers if self._group_of(d) == ahead)
+        state = self._state_of(generation, source, peers)
         if self.device != source:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
+            self._load(state)
 
-    def _state_of(self, generation: Generation, source: int) -> dict[str, Any]:
-        """``source``'s model, optimizer state and step, on every member (its length, then its
-        bytes, each broadcast)."""
+    def _state_of(
+        self, generation: Generation, source: int, peers: Sequence[int]
+    ) -> dict[str, Any]:
+        """``source``'s model, optimizer state and step (its shard of them, sharded), on every
+        one of ``peers`` (its length, then its bytes, each broadcast)."""
         blob = b""
         if self.device == source:
             buffer = io.BytesIO()
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-            torch.save({**state, "step": self.step}, buffer)
+            torch.save(self._state(), buffer)
             blob = buffer.getvalue()
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        generation.guard(lambda: generation.broadcast(size, source))
+        generation.guard(lambda: generation.broadcast(size, source, peers))
         if blob:
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         else:
             data = torch.empty(int(size), dtype=torch.uint8)
-        generation.guard(lambda: generation.broadcast(data, source))
+        generation.guard(lambda: generation.broadcast(data, source, peers))
         loaded: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         return loaded
+
+    def _state(self) -> dict[str, Any]:
+        """Model, optimizer state and step, a sharded tensor as this rank's shard of it."""
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            index: {key: _local(value).clone() for key, value in values.items()}
+            for index, values in optimizer["state"].items()
+        }
+        model = {name: _local(value).clone() for name, value in self.model.state_dict().items()}
+        return {"model": model, "optimizer": optimizer, "step": self.step}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Take a replica's ``_state()``, each shard placed as this rank's own."""
+        mine = self.model.state_dict()
+        self.model.load_state_dict({k: _like(v, mine[k]) for k, v in state["model"].items()})
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        optimizer = state["optimizer"]
+        optimizer["state"] = {
+            index: {
+                key: _like(value, params[index])
+                if value.shape == _local(params[index]).shape
+                else value
+                for key, value in values.items()
+            }
+            for index, values in optimizer["state"].items()
+        }
+        self.optimizer.load_state_dict(optimizer)
+        self.step = int(state["step"])
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -223,21 +322,44 @@ class DataParallel:
         self, generation: Generation, loss_of: Callable[[int, int], torch.Tensor]
     ) -> float:
         self.optimizer.zero_grad(set_to_none=True)
+        if generation.abort.is_set():
+            raise Aborted("a peer failed")
         total = 0.0
-        for index in share(generation.members, self.device, self.micro_batches):
-            if generation.abort.is_set():
-                raise Aborted("a peer failed")
-            loss = loss_of(self.step, index) / self.micro_batches
-            torch.autograd.backward(loss)
-            total += float(loss.detach())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        passes = self._passes(generation.members)
+        for n, (index, weight) in enumerate(passes):
+            self._sync_gradients(n == len(passes) - 1)
+            total += self._pass(generation, loss_of, index, weight)
+        grads = [
+            _local(p.grad) if p.grad is not None else _local(p).new_zeros(_local(p).shape)
+            for p in self.params
+        ]
         flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total])])
-        generation.guard(lambda: generation.all_reduce(generation.members, flat))
+        peers = self._peers(generation.members)
+        generation.guard(lambda: generation.all_reduce(peers, flat))
+        loss = flat[-1:]
+        if peers != generation.members:  # the loss of every rank, not only the replicas
+            loss = torch.tensor([total])
+            generation.guard(lambda: generation.all_reduce(generation.members, loss))
         self._unflatten(flat[:-1], grads)
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
+            if p.grad is None:
+                p.grad = _like(g, p)
         self.optimizer.step()
-        return float(flat[-1])
+        return float(loss[0])
+
+    def _pass(
+        self,
+        generation: Generation,
+        loss_of: Callable[[int, int], torch.Tensor],
+        index: int,
+        weight: float,
+    ) -> float:
+        """One micro-batch's forward and backward; its share of the global mean loss."""
+        if generation.abort.is_set():
+            raise Aborted("a peer failed")
+        loss = loss_of(self.step, index) * (weight / self.micro_batches)
+        torch.autograd.backward(loss)
+        return float(loss.detach())
 
     @staticmethod
     def _unflatten(flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
@@ -290,6 +412,11 @@ class DataParallel:
             self.link.set_state("idle")
             self.link.done(command.id, True)
             return
+        refused = self._refusal(members)
+        if refused is not None:
+            self.link.done(command.id, False, refused)
+            return
+        self._before_entering(command, members)
         self.link.set_state("restoring")
         try:
             self._enter(command.generation, members)
@@ -301,3 +428,168 @@ class DataParallel:
             self.step = command.step
         self.link.set_state("training")
         self.link.done(command.id, True)
+
+
+class HybridSharded(DataParallel):
+    """HSDP in memory: ``fully_shard`` within replica groups of ``shard_size`` devices (device
+    ``d`` in group ``d // shard_size``), the groups data-parallel replicas of one another.
+
+        run = elastic.HybridSharded(micro_batches=8, shard_size=2)
+        for layer in model.layers:
+            fully_shard(layer, mesh=run.mesh)  # the replica group's mesh
+        fully_shard(model, mesh=run.mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run.start(model, optimizer)
+        while run.step < steps:
+            loss = run.train_step(lambda step, index: loss_of(model, batch(step, index)))
+
+    Within a group, FSDP2 gathers the parameters and reduce-scatters the gradients over the
+    group's own gloo group (``run.mesh``; the process's default group). Across groups, the
+    gradient shards are summed by the generation's abortable all-reduce, one per shard index
+    (the replicate dimension), and each rank steps its shard of the optimizer.
+
+    A lost rank takes its group out: the plan (``rerouting``) keeps the other groups, which
+    run the step again on the lost group's micro-batches, as ``DataParallel``. A group comes
+    back as new processes: the launcher starts the dead rank again, and a rank whose group's
+    collectives failed (or whose group peers do not answer) starts itself again in place
+    (``TrainerLink.exec_again``, the same process and link), so that the group's FSDP state
+    and collectives are made anew; each takes its shard of the model and optimizer state
+    from the rank of the same shard index in a live group.
+
+    The group's collectives are FSDP's own and cannot be aborted: a peer killed (its
+    sockets closed) fails them at once; a peer cut off by the network holds them until
+    ``timeout``.
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_batches: int,
+        shard_size: int,
+        link: TrainerLink | None = None,
+        timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        if shard_size < 1:
+            raise ValueError("shard_size must be at least 1")
+        self.shard_size = shard_size
+        self._connect(micro_batches, link)
+        told = os.environ.get("PITSTOP_REPLICA_SIZE")
+        if told and int(told) != shard_size:
+            raise ValueError(
+                f"shard_size {shard_size} but the launcher's --replica-size is {told}: "
+                "a replica group is the devices of one replica"
+            )
+        refused = self._refusal(self._everyone)
+        if refused is not None:
+            raise ValueError(refused.message)
+        self._broken = False  # the group's collectives failed: this process starts again
+        group, index = divmod(self.device, shard_size)
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"{self._prefix}shard/{group}/", self.store),
+            rank=index,
+            world_size=shard_size,
+            timeout=timeout,
+        )
+        self.mesh = init_device_mesh("cpu", (shard_size,))
+
+    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Train ``model`` (``fully_shard``-ed on ``self.mesh``) with ``optimizer``."""
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # the group's gradients summed, not averaged: the step divides by the micro-batches
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        self._attach(model, optimizer)
+
+    def _group_of(self, device: int) -> int:
+        return device // self.shard_size
+
+    def _replicas(self, members: Sequence[int]) -> list[tuple[int, ...]]:
+        return [
+            tuple(d for d in sorted(members) if d % self.shard_size == index)
+            for index in range(self.shard_size)
+        ]
+
+    def _passes(self, members: Sequence[int]) -> list[tuple[int, float]]:
+        """The group's share of the micro-batches, dealt round its ranks; every rank of a
+        group runs as many passes (FSDP's collectives are the group's), a rank short of one
+        running a micro-batch again with weight 0."""
+        groups = sorted({self._group_of(d) for d in members})
+        ours = share(groups, self._group_of(self.device), self.micro_batches)
+        mine = list(ours)[self.device % self.shard_size :: self.shard_size]
+        count = -(-len(ours) // self.shard_size)
+        return [(i, 1.0) for i in mine] + [(ours.start, 0.0)] * (count - len(mine))
+
+    def _sync_gradients(self, last: bool) -> None:
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+
+    def _pass(
+        self,
+        generation: Generation,
+        loss_of: Callable[[int, int], torch.Tensor],
+        index: int,
+        weight: float,
+    ) -> float:
+        # no abort between a group's passes: FSDP keeps the unsynced gradients of the passes
+        # before, which the step's last backward reduces
+        try:
+            loss = loss_of(self.step, index) * (weight / self.micro_batches)
+            torch.autograd.backward(loss)
+        except RuntimeError as exc:
+            if not _transport_error(exc):
+                raise
+            self._broken = True
+            generation.fail(f"device {self.device}: its replica group failed: {exc}")
+            raise Aborted(f"the replica group failed: {exc}") from exc
+        return float(loss.detach())
+
+    def _refusal(self, members: Sequence[int]) -> LinkError | None:
+        groups = {self._group_of(d) for d in members}
+        whole = {g * self.shard_size + i for g in groups for i in range(self.shard_size)}
+        if whole == set(members):
+            return None
+        return LinkError(
+            message=f"devices {sorted(members)} split a replica group of {self.shard_size}",
+            field="plan",
+        )
+
+    def _before_entering(self, command: CommandMessage, members: Sequence[int]) -> None:
+        if self._broken or not self._group_answers():
+            self._leave()
+            env = dict(os.environ)
+            env.update(
+                {
+                    "PITSTOP_GENERATION": command.generation,
+                    "PITSTOP_MEMBERS": ",".join(map(str, members)),
+                    JOINED_VARIABLE: command.id,
+                }
+            )
+            self.link.exec_again(env)
+
+    def _group_answers(self, patience: float = 5.0) -> bool:
+        """Whether every peer of the replica group is the process this one trained with (one
+        all-reduce over the group: a dead peer fails it, a new one never joins it)."""
+        if self.shard_size == 1:
+            return True
+        try:
+            work = dist.all_reduce(torch.ones(1), async_op=True)
+            deadline = time.monotonic() + patience
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_S)
+            work.wait()
+        except RuntimeError:
+            return False
+        return True
+
+
+def _transport_error(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is a collective's failure (a peer gone), not the script's own error."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        word in text
+        for word in ("gloo/transport", "connection reset", "connection closed", "timed out")
+    )

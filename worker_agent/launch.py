@@ -87,6 +87,7 @@ class World:
 
     members: tuple[int, ...] = ()  # after a restart: the devices of the world, else all
     elastic: bool = False  # the script recovers in memory (worker_agent.elastic): --elastic
+    replica_size: int = 1  # devices a data-parallel replica (an HSDP replica group)
 
     @property
     def everyone(self) -> tuple[int, ...]:
@@ -161,6 +162,7 @@ class World:
             "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,
             # Pitstop's: the world's devices in rank order (worker_agent.elastic reads them)
             "PITSTOP_MEMBERS": ",".join(map(str, everyone)),
+            "PITSTOP_REPLICA_SIZE": str(self.replica_size),
         }
         if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes a node
@@ -327,6 +329,15 @@ def parser() -> argparse.ArgumentParser:
         " restarting them (PITSTOP_ELASTIC=1)",
     )
     pitstop.add_argument(
+        "--replica-size",
+        type=int,
+        default=int(env("PITSTOP_REPLICA_SIZE", "1")),
+        metavar="N",
+        help="devices a data-parallel replica, consecutive ranks of one node (an HSDP replica"
+        " group: worker_agent.elastic.HybridSharded's shard_size); a failure takes its whole"
+        " replica out (PITSTOP_REPLICA_SIZE; default 1)",
+    )
+    pitstop.add_argument(
         "--node-name",
         default=env("PITSTOP_NODE"),
         help="this node's name in the job (PITSTOP_NODE; default node-<node rank>)",
@@ -362,6 +373,11 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
         p.error(f"--node-rank {args.node_rank}: expected 0..{nnodes - 1}, with --nnodes ≥ 1")
     if args.max_restarts < 0:
         p.error("--max-restarts must be ≥ 0")
+    if args.replica_size < 1 or nproc % args.replica_size:
+        p.error(
+            f"--replica-size {args.replica_size}: expected a divisor of --nproc-per-node {nproc}"
+            " (a replica's devices are on one node)"
+        )
     if args.standalone and nnodes != 1:
         p.error("--standalone is one node: --nnodes 1")
     # torchrun's: one node with no port given is standalone; more nodes meet at 29500
@@ -389,6 +405,7 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> World:
         args.signals_to_handle,
         errors,
         elastic=args.elastic,
+        replica_size=args.replica_size,
     )
 
 
@@ -413,17 +430,20 @@ def _shutdown_timeout(args: argparse.Namespace) -> float:
 def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
     """The scenario of a job a launcher creates (docs/scenario.md): ``nnodes`` × ``nproc``
     devices, ``nproc`` a node, one data-parallel replica a process (as DDP runs), each a
-    pipeline of one stage; the ``restart`` policy, or ``restart_shrink`` down to ``min_nodes``
+    pipeline of one stage (of ``--replica-size`` devices: an HSDP replica group); the
+    ``restart`` policy, or ``restart_shrink`` down to ``min_nodes``
     nodes, and with ``--elastic`` ``rerouting`` (the survivors take the lost replicas'
     micro-batches, in memory) and ``flashrecovery`` on the same devices (a crashed process
     starts again where it ran and takes a live replica's state) first. The model is not
     measured: its profile is a placeholder of one layer, enough for the restart policy, whose
     choice (in place, on spares, smaller) does not depend on it."""
     devices = world.nnodes * world.nproc_per_node
+    size = world.replica_size
     stage = {"layers": [0, 1]}
     policies: dict[str, dict[str, Any]] = {"restart": {}}
     if min_nodes < world.nnodes:
-        policies = {"restart_shrink": {"min_replicas": min_nodes * world.nproc_per_node}}
+        replicas = min_nodes * world.nproc_per_node // size
+        policies = {"restart_shrink": {"min_replicas": replicas}}
     if world.elastic:
         # in memory: a lost replica's share to the others, or a crashed process started again
         # where it ran with a live replica's state (its start's seconds, not the paper's 85)
@@ -448,10 +468,11 @@ def job_scenario(world: World, min_nodes: int, script: str) -> dict[str, Any]:
             "inter_node_gbps": 10,
             "failure_rate_per_device_hour": 0.001,
         },
-        "training": {"global_batch": devices, "micro_batch": 1},
+        "training": {"global_batch": devices // size, "micro_batch": 1},
         "plan": {
             "pipelines": [
-                {"stages": [{"devices": [d], **stage}], "micro_batches": 1} for d in range(devices)
+                {"stages": [{"devices": list(range(d, d + size)), **stage}], "micro_batches": 1}
+                for d in range(0, devices, size)
             ]
         },
         "policies": policies,

@@ -55,9 +55,10 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -387,6 +388,15 @@ class TrainerLink:
                 self._injected.discard(kind)
                 return True
             return False
+
+    def exec_again(self, environ: Mapping[str, str]) -> NoReturn:
+        """Replace this process by a fresh run of the same command line, with ``environ``, on
+        the same link: the agent sees the same process and link, and the new image says hello
+        again. The write lock is held to the end, so that no line is cut in half."""
+        self._write_lock.acquire()
+        if self._sock is not None:
+            os.set_inheritable(self._sock.fileno(), True)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(environ))
 
     def close(self) -> None:
         if self._sock is not None:

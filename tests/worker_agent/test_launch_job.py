@@ -60,27 +60,34 @@ class Answers:
         self.server.server_close()
 
 
-def world(nnodes: int, nproc: int) -> World:
-    return World(nnodes, nproc, 0, "127.0.0.1", 29500, "run", 3, "SIGTERM", "/tmp")
+def world(nnodes: int, nproc: int, replica_size: int = 1) -> World:
+    return World(
+        nnodes, nproc, 0, "127.0.0.1", 29500, "run", 3, "SIGTERM", "/tmp",
+        replica_size=replica_size,
+    )  # fmt: skip
 
 
 @settings(max_examples=40, deadline=None)
 @given(nnodes=st.integers(1, 16), nproc=st.integers(1, 8), data=st.data())
-def test_the_scenario_has_a_replica_a_process_and_shrinks_only_down_to_min(
+def test_the_scenario_has_a_replica_a_group_of_processes_and_shrinks_only_down_to_min(
     nnodes: int, nproc: int, data: st.DataObject
 ) -> None:
     least = data.draw(st.integers(1, nnodes))
-    made = job_scenario(world(nnodes, nproc), least, "/somewhere/train.py")
+    size = data.draw(st.sampled_from([k for k in range(1, nproc + 1) if nproc % k == 0]))
+    made = job_scenario(world(nnodes, nproc, size), least, "/somewhere/train.py")
     scenario_from_dict(made)  # the core takes it
     devices = nnodes * nproc
     assert made["cluster"]["devices"] == devices and made["cluster"]["devices_per_node"] == nproc
     pipelines = made["plan"]["pipelines"]
-    assert sorted(p["stages"][0]["devices"][0] for p in pipelines) == list(range(devices))
-    assert all(len(p["stages"]) == 1 and len(p["stages"][0]["devices"]) == 1 for p in pipelines)
+    groups = [p["stages"][0]["devices"] for p in pipelines]
+    assert all(len(p["stages"]) == 1 for p in pipelines)
+    # a replica is `size` consecutive devices, all of one node
+    assert groups == [list(range(d, d + size)) for d in range(0, devices, size)]
+    assert all(len({d // nproc for d in g}) == 1 for g in groups)
     if least == nnodes:
         assert made["policies"] == {"restart": {}}
     else:
-        assert made["policies"] == {"restart_shrink": {"min_replicas": least * nproc}}
+        assert made["policies"] == {"restart_shrink": {"min_replicas": least * nproc // size}}
 
 
 @pytest.fixture

@@ -450,14 +450,18 @@ class Generation:
             return stream.add(work, tensor)
         return stream.add(work, host, then=functools.partial(tensor.copy_, host))
 
-    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
-        """``tensor`` as device ``source`` holds it, on every member, in place."""
-        if len(self.members) < 2:
+    def broadcast(
+        self, tensor: torch.Tensor, source: int, devices: Sequence[int] | None = None
+    ) -> None:
+        """``tensor`` as device ``source`` holds it, in place on every member of ``devices``
+        (a subset built at construction; None: every member)."""
+        key = self.members if devices is None else tuple(sorted(set(devices)))
+        if len(key) < 2:
             return
         options = dist.BroadcastOptions()
-        options.rootRank = self.rank_of(source)
+        options.rootRank = key.index(source)
         try:
-            work = self._collectives.broadcast([tensor], options)
+            work = self.group(key).broadcast([tensor], options)
         except RuntimeError as exc:
             raise TransportError(str(exc)) from exc
         wait_collective(work, self.abort)

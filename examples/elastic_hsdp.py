@@ -1,0 +1,77 @@
+"""examples/torchrun_hsdp.py with Pitstop's lines: a lost rank takes its replica group out, the
+other groups take its micro-batches, and the group comes back from a live group's shards, in
+memory, no restart of the others.
+
+    torchrun --standalone --nproc-per-node 4 examples/elastic_hsdp.py --shard-size 2
+    pitstop-run --elastic --replica-size 2 --nnodes 2 --nproc-per-node 2 --node-rank $N \\
+        --master-addr HOST0 --server ws://CONTROL:8000 --job NAME  examples/elastic_hsdp.py
+
+The marked lines differ from the torchrun script: no process group and no 2-D mesh are made;
+``elastic.HybridSharded`` makes the replica group's mesh, which ``fully_shard`` takes, and
+``run.start`` the model and optimizer; the step asks for the loss of each of this rank's
+micro-batches, addressed by (step, index). Device ``d`` is in replica group
+``d // shard_size``. Every rank prints one line a step: ``rank R step S loss L world W``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from worker_agent import elastic  # Pitstop
+
+
+def _arguments() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="train up to this step")
+    p.add_argument("--micro-batches", type=int, default=4, help="the global batch's, any world")
+    p.add_argument("--shard-size", type=int, default=2, help="ranks a replica group")
+    p.add_argument("--step-s", type=float, default=0.0, help="sleep this long in each step")
+    return p.parse_args()
+
+
+def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of ``step``: 16 samples, the same on any rank."""
+    seed = torch.Generator().manual_seed(step * 1_000_003 + index)
+    x = torch.randn(16, 32, generator=seed)
+    return x, x.sum(1, keepdim=True)
+
+
+def build() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
+    )  # fmt: skip
+
+
+def main() -> None:
+    args = _arguments()
+    run = elastic.HybridSharded(micro_batches=args.micro_batches, shard_size=args.shard_size)
+    model = build()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=run.mesh)  # Pitstop: the replica group's mesh
+    fully_shard(model, mesh=run.mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run.start(model, optimizer)  # Pitstop
+
+    def loss_of(step: int, index: int) -> torch.Tensor:
+        x, y = batch(step, index)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    while run.step < args.steps:
+        loss = run.train_step(loss_of)  # Pitstop: passes, reduce-scatter, all-reduce, step
+        time.sleep(args.step_s)
+        rank = run.members.index(run.device)
+        line = f"rank {rank} step {run.step} loss {loss:.6f} world {len(run.members)}"
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
