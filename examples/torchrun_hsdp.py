@@ -68,7 +68,9 @@ def main() -> None:
         optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        sys.stdout.write(f"rank {rank} step {step + 1} loss {float(mean) / world:.6f} world {world}\n")
+        sys.stdout.write(
+            f"rank {rank} step {step + 1} loss {float(mean) / world:.6f} world {world}\n"
+        )
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # without tearing the groups down (gloo's teardown may abort a rank)

@@ -20,13 +20,14 @@ import pytest
 
 from tests.e2e.stack import Stack, setup
 from tests.processes import REPO_ROOT, free_port
-from tests.worker_agent.helpers import children_of
+from tests.worker_agent.helpers import children_of, ranks_of
 
 pytestmark = pytest.mark.e2e
 
 SCENARIO = REPO_ROOT / "examples" / "torchrun-ddp-2x1.json"
 SCRIPT = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
 ELASTIC_SCRIPT = str(REPO_ROOT / "examples" / "elastic_ddp.py")
+HSDP_SCRIPT = str(REPO_ROOT / "examples" / "elastic_hsdp.py")
 ELASTIC_LINE = re.compile(r"^rank (\d+) step (\d+) loss \S+ world (\d+)$", re.M)
 LINE = re.compile(r"^rank (\d+) step (\d+) loss \S+ restart (\d+) world (\d+)$", re.M)
 
@@ -51,12 +52,17 @@ def launch(
     nnodes: str = "2",
     job: str = "drill",
     elastic: bool = False,
+    hsdp: bool = False,
 ) -> None:
     """``pitstop-run`` for node ``rank`` with the job's agent token, or an admin's API token
     (the job made by the first node that asks); ``elastic``: ``--elastic`` on
-    examples/elastic_ddp.py rather than the plain DDP script."""
+    examples/elastic_ddp.py rather than the plain DDP script; ``hsdp``: on
+    examples/elastic_hsdp.py, two processes a node, a replica group each."""
     env = {**stack.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     script = [ELASTIC_SCRIPT, "--micro-batches", "4"] if elastic else [SCRIPT]
+    flags = ["--elastic"] if elastic else []
+    if hsdp:
+        script, flags = [HSDP_SCRIPT], ["--elastic", "--nproc-per-node", "2", "--replica-size", "2"]
     script += ["--steps", "100000", "--step-s", "0.05"]
     if not elastic:
         script += ["--checkpoint-dir", str(stack.tmp / "checkpoint")]
@@ -66,7 +72,7 @@ def launch(
          "--nnodes", nnodes, "--nproc-per-node", "1", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "3",
          "--server", f"ws://127.0.0.1:{stack.port}", "--job", job,
-         *(["--elastic"] if elastic else []), *script],
+         *flags, *script],
         env=env, cwd=REPO_ROOT, stdout=(stack.tmp / f"node-{rank}.out").open("ab"),
         stderr=(stack.tmp / f"agent-node-{rank}.log").open("ab"),
     )  # fmt: skip
@@ -225,15 +231,15 @@ def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
     assert not [line for line in steps(stack, 0) if line[2] == 0]  # it never trained before
 
 
-def elastic_job(stack: Stack) -> tuple[str, int]:
-    """Two launchers of examples/elastic_ddp.py under --elastic, the job made by the first with
-    an admin's token, both training: the admin's token and the job."""
+def elastic_job(stack: Stack, *, hsdp: bool = False) -> tuple[str, int]:
+    """Two launchers of examples/elastic_ddp.py (or elastic_hsdp.py) under --elastic, the job
+    made by the first with an admin's token, both training: the admin's token and the job."""
     admin = stack.manage("shell", "-c", ADMIN)
     for name in ("redis", "server", "worker"):
         stack.start(name)
     port = free_port()
     for rank in (0, 1):
-        launch(stack, rank, port, api_token=admin, job="elastic", elastic=True)
+        launch(stack, rank, port, api_token=admin, job="elastic", elastic=True, hsdp=hsdp)
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
     both_training(stack, admin, job, 8)
@@ -305,3 +311,37 @@ def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(
     first = min(s for s in steps if s > before)
     assert first in (before + 1, before + 2), (before, steps)
     print(f"elastic restore from peers: kill to recovered {recovered_s:.1f} s")
+
+
+def test_an_hsdp_scripts_crashed_rank_brings_its_group_back_from_the_other_groups_shards(
+    stack: Stack,
+) -> None:
+    """examples/elastic_hsdp.py, a replica group of two processes a node: device 3 killed,
+    the cost model brings its group back in place (the launcher starts device 3 again, device
+    2 starts itself again on its link), restored from group 0's shards; node 0 is never
+    restarted."""
+    admin, job = elastic_job(stack, hsdp=True)
+    survivors = set(children_of(stack.processes["agent-node-0"].pid))
+
+    def node_1_steps() -> list[int]:
+        return [int(s) for _, s, _ in ELASTIC_LINE.findall((stack.tmp / "node-1.out").read_text())]
+
+    node_1 = ranks_of(stack.processes["agent-node-1"])
+    victim, peer = node_1[3], node_1[2]
+    os.kill(victim, signal.SIGKILL)
+    before = max(node_1_steps())
+    killed_at = time.monotonic()
+    decision = ended(stack, admin, job)
+    recovered_s = time.monotonic() - killed_at
+    assert decision["status"] == "recovered", decision
+    chosen = decision["candidates"][decision["chosen"]]["policy"]
+    assert chosen == "flashrecovery", decision["candidates"]
+    groups = sorted(s["devices"] for p in decision["plan"]["pipelines"] for s in p["stages"])
+    assert groups == [[0, 1], [2, 3]]
+    assert set(children_of(stack.processes["agent-node-0"].pid)) == survivors
+    again = ranks_of(stack.processes["agent-node-1"])
+    assert again[2] == peer and again[3] != victim  # the peer started itself again in place
+    stack.wait(lambda: max(node_1_steps()) > before + 3, "node-1 training again", 30)
+    steps = [s for s in node_1_steps() if s > before]
+    assert min(steps) in (before + 1, before + 2), (before, steps)
+    print(f"hsdp group back from peers: kill to recovered {recovered_s:.1f} s")

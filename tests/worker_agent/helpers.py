@@ -79,6 +79,16 @@ def launch_node(
     )
 
 
+def ranks_of(launcher: subprocess.Popen[Any]) -> dict[int, int]:
+    """A launcher's processes by device (``PITSTOP_DEVICE`` in each one's environment)."""
+    found = {}
+    for pid in children_of(launcher.pid):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        (device,) = [v for v in environ if v.startswith(b"PITSTOP_DEVICE=")]
+        found[int(device.split(b"=")[1])] = pid
+    return found
+
+
 def terminate(process: subprocess.Popen[Any], timeout: float = 30) -> None:
     """SIGTERM ``process`` if it runs, then SIGKILL if it is still there after ``timeout``."""
     if process.poll() is not None:

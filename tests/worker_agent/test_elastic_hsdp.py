@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
-from tests.worker_agent.helpers import ScriptedServer, children_of, launch_node, poll, terminate
+from tests.worker_agent.helpers import ScriptedServer, launch_node, poll, ranks_of, terminate
 from worker_agent.elastic import HybridSharded
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -114,17 +114,6 @@ def _steps(path: Path) -> list[tuple[int, int, float, int]]:
     return [(int(r), int(s), float(loss), int(w)) for r, s, loss, w in LINE.findall(text)]
 
 
-def _device_of(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    (device,) = [v for v in environ if v.startswith(b"PITSTOP_DEVICE=")]
-    return int(device.split(b"=")[1])
-
-
-def _ranks(launcher: subprocess.Popen[bytes]) -> dict[int, int]:
-    """The launcher's processes by device."""
-    return {_device_of(pid): pid for pid in children_of(launcher.pid)}
-
-
 def _groups(*groups: list[int]) -> dict[str, Any]:
     return {
         "family": "dynamic",
@@ -163,7 +152,7 @@ def two_groups(tmp_path: Path) -> Any:
 
 
 def _kill_device_3(servers: list[ScriptedServer], processes: list[Any]) -> dict[int, int]:
-    before = _ranks(processes[1])
+    before = ranks_of(processes[1])
     os.kill(before[3], signal.SIGKILL)
     poll(functools.partial(servers[1].of_type, "fault"), "node-1's crash", TIMEOUT_S)
     return before
@@ -186,12 +175,12 @@ def _all_close(lines: list[tuple[int, int, float, int]]) -> None:
 
 def test_a_lost_ranks_group_is_out_and_the_other_takes_its_micro_batches(two_groups: Any) -> None:
     servers, processes, out = two_groups
-    survivors = _ranks(processes[0])
+    survivors = ranks_of(processes[0])
     _kill_device_3(servers, processes)
     before = max(s for _, s, _, _ in _steps(out[0]))
     _apply(servers, _groups([0, 1]))  # rerouting: group {0, 1} alone
     poll(lambda: max(s for _, s, _, _ in _steps(out[0])) >= before + 5, "steps alone", 60)
-    assert _ranks(processes[0]) == survivors  # no restart: the same processes
+    assert ranks_of(processes[0]) == survivors  # no restart: the same processes
     assert not servers[0].of_type("fault"), servers[0].of_type("fault")
     lines = _steps(out[0])
     after = sorted({s for _, s, _, w in lines if w == 2})
@@ -205,7 +194,7 @@ def test_a_group_comes_back_from_the_live_groups_shards(two_groups: Any) -> None
     again, device 2 (its group's collectives broken) starts itself again in place, and both
     take their shards of the model, the AdamW state and the step from devices 0 and 1."""
     servers, processes, out = two_groups
-    survivors = _ranks(processes[0])
+    survivors = ranks_of(processes[0])
     before = _kill_device_3(servers, processes)
     last = max(s for _, s, _, _ in _steps(out[0]))
     _apply(servers, _groups([0, 1], [2, 3]))
@@ -214,8 +203,8 @@ def test_a_group_comes_back_from_the_live_groups_shards(two_groups: Any) -> None
         "node-1 training again",
         60,
     )
-    assert _ranks(processes[0]) == survivors
-    again = _ranks(processes[1])
+    assert ranks_of(processes[0]) == survivors
+    again = ranks_of(processes[1])
     assert again[2] == before[2]  # the same process, started again in place
     assert again[3] != before[3]
     resumed = sorted({s for _, s, _, _ in _steps(out[1]) if s > last})
