@@ -30,27 +30,32 @@ def _arguments() -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4, help="the global batch's, any world")
     p.add_argument("--step-s", type=float, default=0.0, help="sleep this long in each step")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    p.add_argument("--samples", type=int, default=16, help="samples a micro-batch")
     return p.parse_args()
 
 
-def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch ``index`` of ``step``: 16 samples, the same on any rank."""
+def batch(step: int, index: int, samples: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of ``step``: ``samples`` samples, the same on any rank."""
     seed = torch.Generator().manual_seed(step * 1_000_003 + index)
-    x = torch.randn(16, 32, generator=seed)
+    x = torch.randn(samples, 32, generator=seed)
     return x, x.sum(1, keepdim=True)
 
 
 def main() -> None:
     args = _arguments()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    width = args.width
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)
+    )
     if args.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_of(step: int, index: int) -> torch.Tensor:
-        x, y = batch(step, index)
+        x, y = batch(step, index, args.samples)
         return torch.nn.functional.mse_loss(model(x), y)
 
     run = elastic.DataParallel(model, optimizer, micro_batches=args.micro_batches)  # Pitstop

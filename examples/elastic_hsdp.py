@@ -30,29 +30,31 @@ def _arguments() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="train up to this step")
     p.add_argument("--micro-batches", type=int, default=4, help="the global batch's, any world")
     p.add_argument("--shard-size", type=int, default=2, help="ranks a replica group")
+    p.add_argument("--width", type=int, default=64, help="the hidden layers' width")
+    p.add_argument("--samples", type=int, default=16, help="samples a micro-batch")
     p.add_argument("--step-s", type=float, default=0.0, help="sleep this long in each step")
     return p.parse_args()
 
 
-def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch ``index`` of ``step``: 16 samples, the same on any rank."""
+def batch(step: int, index: int, samples: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of ``step``: ``samples`` samples, the same on any rank."""
     seed = torch.Generator().manual_seed(step * 1_000_003 + index)
-    x = torch.randn(16, 32, generator=seed)
+    x = torch.randn(samples, 32, generator=seed)
     return x, x.sum(1, keepdim=True)
 
 
-def build() -> torch.nn.Sequential:
+def build(width: int = 64) -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-        torch.nn.Linear(64, 1),
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 1),
     )  # fmt: skip
 
 
 def main() -> None:
     args = _arguments()
     run = elastic.HybridSharded(micro_batches=args.micro_batches, shard_size=args.shard_size)
-    model = build()
+    model = build(args.width)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=run.mesh)  # Pitstop: the replica group's mesh
@@ -61,7 +63,7 @@ def main() -> None:
     run.start(model, optimizer)  # Pitstop
 
     def loss_of(step: int, index: int) -> torch.Tensor:
-        x, y = batch(step, index)
+        x, y = batch(step, index, args.samples)
         return torch.nn.functional.mse_loss(model(x), y)
 
     while run.step < args.steps:

@@ -18,7 +18,7 @@ from worker_agent.protocol import ErrorCode, ProtocolError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 BLOCKS = re.findall(r"```json\n(.*?)```", DOC.read_text(), flags=re.S)
-AGENT_TYPES = {"hello", "heartbeat", "fault", "ack", "goodbye"}
+AGENT_TYPES = {"hello", "heartbeat", "fault", "profile", "ack", "goodbye"}
 
 
 def test_the_doc_shows_every_frame_type() -> None:
@@ -124,6 +124,11 @@ BEAT: dict[str, Any] = {
 }
 FAULT: dict[str, Any] = {"type": "fault", "seq": 1, "at": 1.0, "kind": "crash", "devices": [0]}
 ACK: dict[str, Any] = {"type": "ack", "command": "c", "ok": True, "at": 1.0}
+PROFILE: dict[str, Any] = {
+    "type": "profile", "seq": 1, "at": 1.0, "devices": [0], "micro_batches": 4,
+    "modules": [{"name": "0", "fwd_s": 0.1, "bwd_s": 0.2, "update_s": 0.0, "m_p": 1.0,
+                 "m_o": 2.0, "m_g": 1.0, "m_a": 3.0}],
+}  # fmt: skip
 
 
 def _set(frame: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
@@ -153,6 +158,16 @@ BOUNDED: list[tuple[dict[str, Any], str, float, float]] = [
     (FAULT, "step", 0, protocol.MAX_STEP),
     (FAULT, "devices.0", 0, protocol.MAX_DEVICE_ID),
     (ACK, "at", 0, protocol.MAX_TIMESTAMP_S),
+    (PROFILE, "seq", 0, protocol.MAX_SEQ),
+    (PROFILE, "micro_batches", 1, protocol.MAX_MICRO_BATCHES),
+    (PROFILE, "modules.0.fwd_s", 0, protocol.MAX_DURATION_S),
+    (PROFILE, "modules.0.bwd_s", 0, protocol.MAX_DURATION_S),
+    (PROFILE, "modules.0.update_s", 0, protocol.MAX_DURATION_S),
+    (PROFILE, "modules.0.m_p", 0, protocol.MAX_MEMORY_BYTES),
+    (PROFILE, "modules.0.m_a", 0, protocol.MAX_MEMORY_BYTES),
+    (PROFILE, "boundary_bytes", 0, protocol.MAX_MEMORY_BYTES),
+    (PROFILE, "sync_s", 0, protocol.MAX_DURATION_S),
+    (PROFILE, "sync_members", 1, protocol.MAX_HOLDERS),
     (HELLO, "devices.0", 0, protocol.MAX_DEVICE_ID),
     (HELLO, "version", 0, protocol.MAX_SEQ),
 ]
@@ -185,7 +200,14 @@ def test_every_number_out_of_its_range_is_refused_naming_its_field(
 
 @pytest.mark.parametrize(
     ("frame", "field"),
-    [(HELLO, "node"), (HELLO, "job"), (FAULT, "message"), (ACK, "command"), (HELLO, "agent")],
+    [
+        (HELLO, "node"),
+        (HELLO, "job"),
+        (FAULT, "message"),
+        (ACK, "command"),
+        (HELLO, "agent"),
+        (PROFILE, "modules.0.name"),
+    ],
 )
 @given(control=st.characters(max_codepoint=31).filter(lambda c: c not in "\t\n\r"))
 def test_text_with_a_control_character_is_refused(

@@ -427,6 +427,12 @@ class Agent:
                 [rank.device],
                 message.message or f"rank on device {rank.device} reported it",
             )
+        elif isinstance(message, link.ProfileMessage):
+            fields = message.model_dump(exclude={"t"}, exclude_none=True)
+            try:
+                self.uplink.profile({**fields, "at": time.time(), "devices": [rank.device]})
+            except ValueError as exc:  # pydantic's ValidationError: the script's bug, not a fault
+                log.warning("device %d: a profile the protocol refuses: %s", rank.device, exc)
         elif isinstance(message, link.HelloMessage) and message.device != rank.device:
             log.warning("device %d: the rank says it is device %d", rank.device, message.device)
 

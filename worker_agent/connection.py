@@ -47,6 +47,11 @@ class _QueuedFault:
     message: str
 
 
+@dataclass(frozen=True)
+class _QueuedProfile:
+    fields: dict[str, Any]  # the profile frame's, but its sequence number
+
+
 class Uplink:
     """A node's socket to the control plane: heartbeats, queued faults and acks, commands.
 
@@ -74,7 +79,7 @@ class Uplink:
         self.connections = 0  # sockets that were welcomed
         self.interval_s: float | None = None  # from the last welcome
         self.refused: protocol.Error | None = None
-        self._queue: deque[_QueuedFault | protocol.Ack] = deque(maxlen=MAX_QUEUED)
+        self._queue: deque[_QueuedFault | _QueuedProfile | protocol.Ack] = deque(maxlen=MAX_QUEUED)
         self._wake = asyncio.Event()
         self._beat_now = False
         self._ws: Any = None
@@ -99,6 +104,13 @@ class Uplink:
         """Report a fault now, or as soon as a socket is up (its ``at`` stays the time seen)."""
         at = time.time() if at is None else at
         self._queue.append(_QueuedFault(kind, tuple(devices), at, step, message[:2000]))
+        self._wake.set()
+
+    def profile(self, fields: dict[str, Any]) -> None:
+        """Send a ``profile`` frame of ``fields`` (all but ``seq``) now, or once a socket is up;
+        ``ValidationError`` when they do not make one."""
+        protocol.Profile(seq=0, **fields)  # refused here, not by the server
+        self._queue.append(_QueuedProfile(fields))
         self._wake.set()
 
     def ack(self, ack: protocol.Ack) -> None:
@@ -195,7 +207,9 @@ class Uplink:
         while self._queue:
             item = self._queue[0]
             if isinstance(item, protocol.Ack):
-                frame: protocol.Ack | protocol.Fault = item
+                frame: protocol.Ack | protocol.Fault | protocol.Profile = item
+            elif isinstance(item, _QueuedProfile):
+                frame = protocol.Profile(seq=self.seq + 1, **item.fields)
             else:
                 frame = protocol.Fault(
                     seq=self.seq + 1,
@@ -206,7 +220,7 @@ class Uplink:
                     message=item.message,
                 )
             await ws.send(protocol.encode(frame))
-            if isinstance(frame, protocol.Fault):
+            if not isinstance(frame, protocol.Ack):
                 self.seq += 1
             self._queue.popleft()
 

@@ -51,11 +51,14 @@ from torch.distributed.tensor import DTensor
 
 from worker_agent import protocol
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
+from worker_agent.selfprofile import StepProfiler
 from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation, connect
 
 # A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
 # command, named here, once it has joined the plan's world.
 JOINED_VARIABLE = "PITSTOP_JOINED_COMMAND"
+# Steps a world measures (after its first) before the profile goes to the control plane.
+MEASURED_STEPS = 3
 
 
 class Stopped(SystemExit):
@@ -78,6 +81,10 @@ def share(members: Sequence[int], device: int, micro_batches: int) -> range:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its shard of a sharded (``DTensor``) one, else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bytes(tensor: torch.Tensor) -> float:
+    return float(tensor.numel() * tensor.element_size())
 
 
 def _like(local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -140,6 +147,8 @@ class DataParallel:
             )
         self.generation: Generation | None = None
         self._watcher: AbortWatcher | None = None
+        # this world's measurement: its generation, its steps so far, the hooks' profiler
+        self._profile: tuple[str, int, StepProfiler] | None = None
 
     def _attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Train ``model`` with ``optimizer``: join the first world and start it from one
@@ -326,16 +335,27 @@ class DataParallel:
             raise Aborted("a peer failed")
         total = 0.0
         passes = self._passes(generation.members)
-        for n, (index, weight) in enumerate(passes):
-            self._sync_gradients(n == len(passes) - 1)
-            total += self._pass(generation, loss_of, index, weight)
+        profiler = self._measuring(generation)
+        if profiler is not None:
+            profiler.attach()
+        try:
+            for n, (index, weight) in enumerate(passes):
+                self._sync_gradients(n == len(passes) - 1)
+                total += self._pass(generation, loss_of, index, weight)
+                if profiler is not None:
+                    profiler.pass_done(time.perf_counter())
+        finally:
+            if profiler is not None:
+                profiler.detach()
         grads = [
             _local(p.grad) if p.grad is not None else _local(p).new_zeros(_local(p).shape)
             for p in self.params
         ]
         flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total])])
         peers = self._peers(generation.members)
+        began = time.perf_counter()
         generation.guard(lambda: generation.all_reduce(peers, flat))
+        synced = time.perf_counter()
         loss = flat[-1:]
         if peers != generation.members:  # the loss of every rank, not only the replicas
             loss = torch.tensor([total])
@@ -344,8 +364,41 @@ class DataParallel:
         for p, g in zip(self.params, grads, strict=True):
             if p.grad is None:
                 p.grad = _like(g, p)
+        stepping = time.perf_counter()
         self.optimizer.step()
+        if profiler is not None:
+            profiler.updates.append(time.perf_counter() - stepping)
+            profiler.syncs.append((_bytes(flat), synced - began, len(peers)))
+            self._measured(generation, profiler)
         return float(loss[0])
+
+    # --- measuring itself -------------------------------------------------------------------
+
+    def _measuring(self, generation: Generation) -> StepProfiler | None:
+        """The profiler of this step, when it is one of the measured steps of this world: under
+        an agent, on the lowest member, the steps after the world's first (its groups' first
+        use) up to ``MEASURED_STEPS``."""
+        if not self.link.active or self.device != min(generation.members):
+            return None
+        if self._profile is None or self._profile[0] != generation.prefix:
+            self._profile = (generation.prefix, 0, StepProfiler(self.model))
+        prefix, seen, profiler = self._profile
+        self._profile = (prefix, seen + 1, profiler)
+        return profiler if 1 <= seen <= MEASURED_STEPS else None
+
+    def _measured(self, generation: Generation, profiler: StepProfiler) -> None:
+        """After a measured step: the last one sends the profile (the job's scenario is made of
+        it), for this world."""
+        if self._profile is None or self._profile[1] != MEASURED_STEPS + 1:
+            return
+        message = profiler.message(
+            self.optimizer, micro_batches=self.micro_batches, time_scale=1 / self._group_size()
+        )
+        self.link.profile(message)
+
+    def _group_size(self) -> int:
+        """Ranks that run a replica's micro-batches at once (HSDP's group; here one)."""
+        return 1
 
     def _pass(
         self,
@@ -504,6 +557,9 @@ class HybridSharded(DataParallel):
 
     def _group_of(self, device: int) -> int:
         return device // self.shard_size
+
+    def _group_size(self) -> int:
+        return self.shard_size
 
     def _replicas(self, members: Sequence[int]) -> list[tuple[int, ...]]:
         return [

@@ -113,6 +113,19 @@ class FaultMessage(_Message):
     message: Annotated[str, Field(max_length=2000)] = ""
 
 
+class ProfileMessage(_Message):
+    """The script's own measurement (``worker_agent.elastic``): the protocol's ``profile``
+    frame's fields but its sequence number, time and devices, which the agent adds."""
+
+    t: Literal["profile"] = "profile"
+    modules: list[dict[str, Any]]
+    micro_batches: Annotated[int, Field(ge=1)]
+    boundary_bytes: float | None = None
+    sync_bytes: float | None = None
+    sync_s: float | None = None
+    sync_members: int | None = None
+
+
 class LinkError(_Message):
     """Why a rank could not carry out a command (the protocol's error codes)."""
 
@@ -154,7 +167,15 @@ class InjectMessage(_Message):
     kind: Literal["nan"]
 
 
-RankMessage = HelloMessage | StepMessage | StateMessage | FaultMessage | DoneMessage | AliveMessage
+RankMessage = (
+    HelloMessage
+    | StepMessage
+    | StateMessage
+    | FaultMessage
+    | ProfileMessage
+    | DoneMessage
+    | AliveMessage
+)
 AgentMessage = CommandMessage | InjectMessage
 _RANK = TypeAdapter[RankMessage](Annotated[RankMessage, Field(discriminator="t")])
 _AGENT = TypeAdapter[AgentMessage](Annotated[AgentMessage, Field(discriminator="t")])
@@ -350,6 +371,10 @@ class TrainerLink:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r} is not one of {', '.join(FAULT_KINDS)}")
         self._send(FaultMessage.model_validate({"kind": kind, "message": message[:2000]}))
+
+    def profile(self, measured: ProfileMessage) -> None:
+        """The script's measurement of itself, for the job's scenario."""
+        self._send(measured)
 
     def done(self, command_id: str, ok: bool = True, error: LinkError | None = None) -> None:
         """A command carried out (``ok``), or not, with the error saying why."""

@@ -51,6 +51,8 @@ MAX_RATE = 1e12  # samples a second
 MAX_LOSS = 1e12  # the magnitude of a loss
 MAX_MEMORY_BYTES = float(1 << 60)  # 1 EiB
 MAX_TEXT = 2000  # characters of a message for people
+MAX_MODULES = 128  # the modules one profile measures (a frame's size binds first)
+MAX_MICRO_BATCHES = 1 << 20  # a global batch, in micro-batches
 
 
 class ErrorCode(StrEnum):
@@ -231,6 +233,40 @@ class Fault(_Frame):
     message: Text = ""
 
 
+Bytes = Annotated[float, Field(ge=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)]
+
+
+class ModuleCost(_Frame):
+    """One top-level module of a training script, measured by its rank (one micro-batch)."""
+
+    name: ShortText
+    fwd_s: Duration
+    bwd_s: Duration
+    update_s: Duration  # its share of the optimizer's step
+    m_p: Bytes  # parameters
+    m_o: Bytes  # optimizer state
+    m_g: Bytes  # gradients
+    m_a: Bytes  # what autograd saves for its backward
+
+
+class Profile(_Frame):
+    """A training script's own measurement (``worker_agent.elastic``): each top-level module's
+    cost, the global batch and the gradients' synchronisation; the job's scenario is made from
+    it (docs/scenario.md, "Measured by the script")."""
+
+    type: Literal["profile"] = "profile"
+    seq: Seq
+    at: Timestamp
+    devices: Devices  # the ranks that measured it
+    modules: Annotated[list[ModuleCost], Field(min_length=1, max_length=MAX_MODULES)]
+    micro_batches: Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES)]  # the global batch's
+    boundary_bytes: Bytes | None = None  # the largest activation a module hands the next
+    # one gradient all-reduce: its bytes, seconds and members (ring: 2(k−1)/k of the bytes)
+    sync_bytes: Bytes | None = None
+    sync_s: Duration | None = None
+    sync_members: Annotated[int, Field(ge=1, le=MAX_HOLDERS)] | None = None
+
+
 class Ack(_Frame):
     """The outcome of one command, by its id."""
 
@@ -351,9 +387,11 @@ class Error(_Frame):
 
 Ack.model_rebuild()
 
-AgentFrame = Annotated[Hello | Heartbeat | Fault | Ack | Goodbye, Field(discriminator="type")]
+AgentFrame = Annotated[
+    Hello | Heartbeat | Fault | Profile | Ack | Goodbye, Field(discriminator="type")
+]
 ServerFrame = Annotated[Welcome | Command | Error, Field(discriminator="type")]
-_AGENT = TypeAdapter[Hello | Heartbeat | Fault | Ack | Goodbye](AgentFrame)
+_AGENT = TypeAdapter[Hello | Heartbeat | Fault | Profile | Ack | Goodbye](AgentFrame)
 _SERVER = TypeAdapter[Welcome | Command | Error](ServerFrame)
 
 
@@ -375,7 +413,7 @@ def _refused(exc: ValidationError) -> ProtocolError:
     return ProtocolError(ErrorCode.INVALID, first["msg"], field=field)
 
 
-def parse_agent_frame(raw: str | bytes) -> Hello | Heartbeat | Fault | Ack | Goodbye:
+def parse_agent_frame(raw: str | bytes) -> Hello | Heartbeat | Fault | Profile | Ack | Goodbye:
     """An agent's frame, validated; ``ProtocolError`` says why not."""
     _check_size(raw)
     try:

@@ -20,6 +20,8 @@ from controlplane.recovery.codec import (
 )
 from controlplane.recovery.decision import Decision, decide
 from controlplane.recovery.errors import InvalidScenario, RecoveryError
+from controlplane.recovery.measured import measured_name, model_section, ring_gbps
+from controlplane.recovery.measured import with_measurement as _with_measurement
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
 from controlplane.recovery.policies import default_names, names
 from controlplane.recovery.policies import get as get_policy
@@ -33,6 +35,7 @@ __all__ = [
     "parse_scenario",
     "state_of",
     "validate_override",
+    "with_measurement",
 ]
 
 
@@ -111,3 +114,25 @@ def validate_override(scenario: Any, plan: Any, failed: set[int], edited: Any) -
     no failed device); returns it in the codec's format. ``InvalidScenario`` names the field."""
     state = state_of(scenario, plan, failed)
     return plan_to_dict(validate_plan(edited, state, field="plan"))
+
+
+def with_measurement(
+    scenario: Any,
+    plan: Any,
+    *,
+    modules: list[dict[str, Any]],
+    micro_batches: int,
+    boundary_bytes: float | None = None,
+    sync: tuple[float, float, int] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's scenario and running plan made from its script's measurement (``modules``,
+    the global batch's ``micro_batches``, one gradient all-reduce's bytes, seconds and members),
+    checked by the core; ``InvalidScenario`` names the field when they cannot fit."""
+    model = model_section(measured_name(scenario["model"]["name"]), modules, boundary_bytes)
+    gbps = ring_gbps(*sync) if sync is not None else None
+    new, running = _with_measurement(
+        scenario, plan, model=model, micro_batches=micro_batches, gbps=gbps
+    )
+    state = parse_scenario(new).state
+    plan_from_dict(running, profile=state.profile, cluster=state.cluster)
+    return new, running

@@ -1,12 +1,15 @@
-"""Creating jobs: a scenario checked by the core becomes a job, its nodes, devices and token."""
+"""Creating jobs: a scenario checked by the core becomes a job, its nodes, devices and token;
+and a job's scenario made anew from its script's own measurement."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import structlog
 from django.db import IntegrityError, transaction
 
 from controlplane.bridge import rows
+from controlplane.incidents.models import OPEN, RecoveryDecision
 from controlplane.jobs import lifecycle
 from controlplane.jobs.models import (
     AgentToken,
@@ -17,7 +20,9 @@ from controlplane.jobs.models import (
     Node,
     heavy,
 )
-from worker_agent.protocol import plan_devices
+from worker_agent.protocol import Profile, plan_devices
+
+log = structlog.get_logger(__name__)
 
 
 @transaction.atomic
@@ -129,3 +134,31 @@ def failed_devices(job: Job) -> set[int]:
     recorded yet (``lifecycle.unheard_devices``), so that no plan is put on them."""
     down = Device.objects.filter(job=job, state=DeviceState.FAILED).values_list("index", flat=True)
     return set(down) | lifecycle.unheard_devices(job.pk)
+
+
+def take_profile(job_id: int, profile: Profile) -> bool:
+    """Make the job's scenario and running plan from its script's measurement (a ``profile``
+    frame: docs/scenario.md, "Measured by the script"). False, and nothing changed, while a
+    recovery is open (its plans were made on the scenario it started with; the script measures
+    itself again in the world the recovery makes); ``rows.InvalidScenario`` when it cannot fit."""
+    modules = [m.model_dump() for m in profile.modules]
+    sync = None
+    if profile.sync_bytes is not None and profile.sync_s is not None and profile.sync_members:
+        sync = (profile.sync_bytes, profile.sync_s, profile.sync_members)
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if RecoveryDecision.objects.filter(job=job, status__in=OPEN).exists():
+            log.info("job.profile_deferred", job=job_id)
+            return False
+        job.scenario, job.plan = rows.with_measurement(
+            job.scenario,
+            job.plan,
+            modules=modules,
+            micro_batches=profile.micro_batches,
+            boundary_bytes=profile.boundary_bytes,
+            sync=sync,
+        )
+        job.save(update_fields=["scenario", "plan"])
+    step_s = sum(m.fwd_s + m.bwd_s for m in profile.modules)
+    log.info("job.profiled", job=job_id, modules=len(modules), micro_batch_s=step_s)
+    return True

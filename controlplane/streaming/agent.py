@@ -45,10 +45,11 @@ from django.db import connection
 from django.utils import timezone
 from redis.exceptions import RedisError
 
+from controlplane.bridge.rows import InvalidScenario
 from controlplane.incidents import applying, decisions, drills
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning
-from controlplane.jobs import lifecycle, liveness, snapshot
+from controlplane.jobs import lifecycle, liveness, services, snapshot
 from controlplane.jobs.models import (
     AgentToken,
     Device,
@@ -185,6 +186,17 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
         plan=enqueue_planning,
     )
     return decision.pk
+
+
+def _profiled(session: Session, frame: protocol.Profile) -> bool:
+    """The job's scenario made anew from its script's measurement (False: deferred while a
+    recovery is open); a measurement that cannot fit is refused, naming its field."""
+    _refuse_if_revoked(session)
+    try:
+        return services.take_profile(session.job_id, frame)
+    except InvalidScenario as exc:
+        message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        raise ProtocolError(ErrorCode.INVALID, message, field=exc.field) from exc
 
 
 def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -> None:
@@ -393,6 +405,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.writer.beat(session.job_id, session.node, self.last_heard_s, self.raw, frame.at)
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
+        elif isinstance(frame, protocol.Profile):
+            taken = await in_thread(_profiled)(self.session, frame)
+            log.info("agent.profile", job=self.session.job_id, node=self.session.node, taken=taken)
         else:
             decision = await in_thread(_fault)(self.session, frame)
             log.info(

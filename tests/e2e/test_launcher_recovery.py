@@ -59,10 +59,14 @@ def launch(
     examples/elastic_ddp.py rather than the plain DDP script; ``hsdp``: on
     examples/elastic_hsdp.py, two processes a node, a replica group each."""
     env = {**stack.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    script = [ELASTIC_SCRIPT, "--micro-batches", "4"] if elastic else [SCRIPT]
+    # the elastic scripts' model is made heavy enough that a replica's compute outweighs its
+    # gradient sync (so that two replicas train faster than one, as the cost model measures)
+    work = ["--width", "1024", "--samples", "256"]
+    script = [ELASTIC_SCRIPT, "--micro-batches", "4", *work] if elastic else [SCRIPT]
     flags = ["--elastic"] if elastic else []
     if hsdp:
-        script, flags = [HSDP_SCRIPT], ["--elastic", "--nproc-per-node", "2", "--replica-size", "2"]
+        script = [HSDP_SCRIPT, "--width", "512", "--samples", "256"]
+        flags = ["--elastic", "--nproc-per-node", "2", "--replica-size", "2"]
     script += ["--steps", "100000", "--step-s", "0.05"]
     if not elastic:
         script += ["--checkpoint-dir", str(stack.tmp / "checkpoint")]
@@ -243,6 +247,14 @@ def elastic_job(stack: Stack, *, hsdp: bool = False) -> tuple[str, int]:
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
     both_training(stack, admin, job, 8)
+    # the script measured itself: the job's model is its modules, not the placeholder
+    stack.wait(
+        lambda: stack.api(f"/api/v1/jobs/{job}/", admin)["scenario"]["model"]["name"].endswith(
+            "(measured by the script)"
+        ),
+        "the script's profile",
+        60,
+    )
     return admin, job
 
 
@@ -261,8 +273,10 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
     stack: Stack,
 ) -> None:
     admin, job = elastic_job(stack)
-    policies = stack.api(f"/api/v1/jobs/{job}/", admin)["enabled_policies"]
-    assert policies == ["rerouting", "flashrecovery", "restart"]
+    made = stack.api(f"/api/v1/jobs/{job}/", admin)
+    assert made["enabled_policies"] == ["rerouting", "flashrecovery", "restart"]
+    model = made["scenario"]["model"]  # examples/elastic_ddp.py: linear, ReLU, linear
+    assert model["layers"] == 3 and model["m_p"] == [(32 * 1024 + 1024) * 4, 0, (1024 + 1) * 4]
     survivor = children_of(stack.processes["agent-node-0"].pid)
     stack.kill("agent-node-1")  # the node is gone: no restart in place, no spare
     killed_at = time.monotonic()
@@ -297,7 +311,9 @@ def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(
     assert decision["status"] == "recovered", decision
     # the cost model's choice: every replica back (the rerouted world would be half as fast
     # until the next failure; a restart from a checkpoint would redo its steps)
-    assert decision["candidates"][decision["chosen"]]["policy"] == "flashrecovery"
+    assert decision["candidates"][decision["chosen"]]["policy"] == "flashrecovery", json.dumps(
+        decision["candidates"]
+    )
     used = {d for p in decision["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
     assert used == {0, 1}
     assert children_of(stack.processes["agent-node-0"].pid) == survivor
