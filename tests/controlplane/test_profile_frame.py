@@ -59,7 +59,8 @@ async def joined(
 
 
 async def reloaded(job: Job) -> Job:
-    return await database_sync_to_async(Job.objects.get)(pk=job.pk)
+    found: Job = await database_sync_to_async(Job.objects.get)(pk=job.pk)
+    return found
 
 
 async def settled(job: Job, check: Any) -> Job:

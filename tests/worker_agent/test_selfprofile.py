@@ -16,11 +16,11 @@ SLOW_S = 0.1
 
 class SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
         time.sleep(SLOW_S)
         return grad
 
