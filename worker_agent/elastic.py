@@ -133,7 +133,9 @@ class DataParallel:
             host, _, port = self.link.store.rpartition(":")
             members = env.get("PITSTOP_MEMBERS", "")
             self._everyone = [int(d) for d in members.split(",") if d] or [self.device]
-            self._prefix = self.link.generation
+            # the generation the process was started in, with PITSTOP_MEMBERS (the link's own
+            # follows the commands, and one may have come before the process started)
+            self._prefix = env.get("PITSTOP_GENERATION") or self.link.generation
             self._host, self._port = host, int(port)
             self.store: Any = connect(host, int(port))
         else:  # plain torchrun: its store, or rank 0's, as a script's init_process_group
@@ -205,11 +207,12 @@ class DataParallel:
         """Build the generation of ``members`` under ``prefix`` (every member calls it)."""
         abort = threading.Event()
         watcher = AbortWatcher(self._host, self._port, prefix, abort)
+        # a store connection of its own: an abandoned generation's build may still wait on its
+        # own (a TCPStore client serves one request at a time), which would hold this one up
+        store = connect(self._host, self._port)
         try:
             subsets = self._replicas(members)
-            generation = Generation(
-                self.store, prefix, self.device, members, abort, subsets=subsets
-            )
+            generation = Generation(store, prefix, self.device, members, abort, subsets=subsets)
         except Aborted:
             watcher.stop()
             raise

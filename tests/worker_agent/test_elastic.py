@@ -93,24 +93,38 @@ def _steps(path: Path) -> list[tuple[int, int, float, int]]:
 
 
 def _two_nodes(
-    tmp_path: Path, optimizer: str = "sgd"
+    tmp_path: Path, optimizer: str = "sgd", nodes: int = 2
 ) -> tuple[list[ScriptedServer], list[subprocess.Popen[bytes]]]:
-    """Two launchers of one process each under --elastic, each with its scripted control
-    plane, training the example for ever."""
+    """``nodes`` launchers of one process each under --elastic, each with its scripted
+    control plane, training the example for ever."""
     port = free_port()
-    servers = [ScriptedServer(), ScriptedServer()]
+    servers = [ScriptedServer() for _ in range(nodes)]
     script = [SCRIPT, "--steps", "100000", "--step-s", "0.05", "--optimizer", optimizer]
     script += ["--micro-batches", str(MICRO_BATCHES)]
     processes = [
         launch_node(
             rank, port, servers[rank].url, script, "--elastic", "--max-restarts", "3",
-            environment={"PYTHONPATH": str(REPO_ROOT)},
+            "--nnodes", str(nodes), environment={"PYTHONPATH": str(REPO_ROOT)},
             stdout=(tmp_path / f"node-{rank}.out").open("wb"),
             stderr=(tmp_path / f"node-{rank}.err").open("wb"),
         )
-        for rank in (0, 1)
+        for rank in range(nodes)
     ]  # fmt: skip
     return servers, processes
+
+
+def _apply(servers: list[ScriptedServer], decision: int, devices: list[int]) -> None:
+    """The plan of ``devices`` (a replica each) to every node; each node's ack is ok."""
+    command = {
+        "type": "command", "id": f"d{decision}-apply", "action": "apply_plan",
+        "decision": decision, "restore": "peers",
+        "plan": plan(*(pipeline(MICRO_BATCHES // len(devices), stage(d, 0, 1)) for d in devices)),
+    }  # fmt: skip
+    for server in servers:
+        server.send(command)
+    for server in servers:
+        (ack,) = poll(functools.partial(server.acks, command["id"]), "the ack", TIMEOUT_S)
+        assert ack["ok"], ack
 
 
 def test_a_lost_replicas_micro_batches_go_to_the_survivor_in_memory(tmp_path: Path) -> None:
@@ -211,5 +225,67 @@ def test_a_crashed_replica_starts_again_with_a_live_replicas_state(tmp_path: Pat
     # kill, node-0's last line may be a step behind it)
     assert resumed[0] in (before + 1, before + 2), (before, resumed)
     assert resumed == list(range(resumed[0], resumed[-1] + 1))
+    expected = reference(max(s for _, s, _, _ in lines), "adamw")
+    assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)
+
+
+def test_a_kill_during_the_rerouted_steps_and_another_before_the_replacement_arrives(
+    tmp_path: Path,
+) -> None:
+    """Three replicas. Node 2's process killed: the plan of {0, 1} reroutes its micro-batches;
+    a few rerouted steps later node 1's process killed too, and the plan of {0, 1, 2} brings
+    both back (their launchers start new processes); while they start, node 2's new process is
+    killed before it trained a step, and the plan of {0, 1} leaves it out. Every step's loss on
+    every rank stays the uninterrupted run's, and node 0 is never restarted."""
+    servers, processes = _two_nodes(tmp_path, "adamw", nodes=3)
+    out = [tmp_path / f"node-{rank}.out" for rank in range(3)]
+
+    def last(rank: int) -> int:
+        return max((s for _, s, _, _ in _steps(out[rank])), default=0)
+
+    def kill(rank: int) -> None:
+        (pid,) = children_of(processes[rank].pid)
+        os.kill(pid, signal.SIGKILL)
+        poll(lambda: len(servers[rank].of_type("fault")) >= 1, f"node-{rank}'s crash", TIMEOUT_S)
+
+    try:
+        poll(lambda: last(2) >= 5, "steps on node-2", TIMEOUT_S)
+        survivor = children_of(processes[0].pid)
+        kill(2)
+        _apply(servers, 1, [0, 1])
+        rerouted = last(0)
+        poll(lambda: last(0) >= rerouted + 3, "rerouted steps", 60)
+        kill(1)  # during the rerouted steps
+        _apply(servers, 2, [0])
+        alone = last(0)
+        poll(lambda: last(0) >= alone + 2, "node-0 alone", 60)
+        # both come back; node 2's new process is killed as soon as it exists, before it
+        # joined the world
+        for server in servers:
+            server.send(
+                {
+                    "type": "command",
+                    "id": "d3-apply",
+                    "action": "apply_plan",
+                    "decision": 3,
+                    "restore": "peers",
+                    "plan": plan(*(pipeline(1, stage(d, 0, 1)) for d in (0, 1, 2))),
+                }
+            )
+        (new,) = poll(lambda: children_of(processes[2].pid), "node-2's new process", TIMEOUT_S)
+        os.kill(new, signal.SIGKILL)
+        poll(lambda: len(servers[2].of_type("fault")) >= 2, "node-2's second crash", TIMEOUT_S)
+        _apply(servers[:2], 4, [0, 1])
+        back = last(0)
+        poll(lambda: last(1) >= back + 3, "node-1 training again", 60)
+        assert children_of(processes[0].pid) == survivor
+    finally:
+        for process in processes:
+            terminate(process)
+        for server in servers:
+            server.close()
+    lines = _steps(out[0]) + _steps(out[1]) + _steps(out[2])
+    worlds = [w for _, _, _, w in _steps(out[0])]
+    assert {3, 2, 1} <= set(worlds) and worlds[-1] == 2, worlds
     expected = reference(max(s for _, s, _, _ in lines), "adamw")
     assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)

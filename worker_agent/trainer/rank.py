@@ -157,7 +157,9 @@ class Rank:
         self.abort = abort or threading.Event()
         self._watcher = AbortWatcher(self.host, self.port, prefix, self.abort)
         self.generation = Generation(
-            self.store,
+            # a store connection of its own: an abandoned generation's build may still wait on
+            # its own (a TCPStore client serves one request at a time) and hold this one up
+            connect(self.host, self.port, timeout=self.timeout),
             prefix,
             self.device,
             members,
