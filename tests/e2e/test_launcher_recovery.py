@@ -61,7 +61,7 @@ def launch(
     env = {**stack.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     # the elastic scripts' model is made heavy enough that a replica's compute outweighs its
     # gradient sync (so that two replicas train faster than one, as the cost model measures)
-    work = ["--width", "1024", "--samples", "256"]
+    work = ["--width", "2048", "--samples", "512"]
     script = [ELASTIC_SCRIPT, "--micro-batches", "4", *work] if elastic else [SCRIPT]
     flags = ["--elastic"] if elastic else []
     if hsdp:
@@ -276,7 +276,7 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
     made = stack.api(f"/api/v1/jobs/{job}/", admin)
     assert made["enabled_policies"] == ["rerouting", "flashrecovery", "restart"]
     model = made["scenario"]["model"]  # examples/elastic_ddp.py: linear, ReLU, linear
-    assert model["layers"] == 3 and model["m_p"] == [(32 * 1024 + 1024) * 4, 0, (1024 + 1) * 4]
+    assert model["layers"] == 3 and model["m_p"] == [(32 * 2048 + 2048) * 4, 0, (2048 + 1) * 4]
     survivor = children_of(stack.processes["agent-node-0"].pid)
     stack.kill("agent-node-1")  # the node is gone: no restart in place, no spare
     killed_at = time.monotonic()

@@ -41,14 +41,22 @@ def reference(steps: int, optimizer: str = "sgd") -> dict[int, float]:
         if optimizer == "sgd"
         else torch.optim.AdamW(model.parameters(), lr=1e-3)
     )
+    return one_process(model, opt, steps, MICRO_BATCHES)
+
+
+def one_process(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, micro_batches: int
+) -> dict[int, float]:
+    """``model`` trained by ``opt`` in one process on the examples' data: every micro-batch of
+    the global batch accumulated, each loss divided by ``micro_batches``, then the step."""
     losses = {}
     for step in range(steps):
         opt.zero_grad()
         total = 0.0
-        for index in range(MICRO_BATCHES):
+        for index in range(micro_batches):
             seed = torch.Generator().manual_seed(step * 1_000_003 + index)
             x = torch.randn(16, 32, generator=seed)
-            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / MICRO_BATCHES
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / micro_batches
             torch.autograd.backward(loss)
             total += float(loss.detach())
         opt.step()
@@ -115,15 +123,16 @@ def _two_nodes(
 
 def _apply(servers: list[ScriptedServer], decision: int, devices: list[int]) -> None:
     """The plan of ``devices`` (a replica each) to every node; each node's ack is ok."""
+    name = f"d{decision}-apply"
     command = {
-        "type": "command", "id": f"d{decision}-apply", "action": "apply_plan",
-        "decision": decision, "restore": "peers",
+        "type": "command", "id": name, "action": "apply_plan", "decision": decision,
+        "restore": "peers",
         "plan": plan(*(pipeline(MICRO_BATCHES // len(devices), stage(d, 0, 1)) for d in devices)),
     }  # fmt: skip
     for server in servers:
         server.send(command)
     for server in servers:
-        (ack,) = poll(functools.partial(server.acks, command["id"]), "the ack", TIMEOUT_S)
+        (ack,) = poll(functools.partial(server.acks, name), "the ack", TIMEOUT_S)
         assert ack["ok"], ack
 
 

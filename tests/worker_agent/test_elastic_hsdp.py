@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
 from tests.worker_agent.helpers import ScriptedServer, launch_node, poll, ranks_of, terminate
+from tests.worker_agent.test_elastic import one_process
 from worker_agent.elastic import HybridSharded
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -40,19 +41,7 @@ def reference(steps: int, micro_batches: int) -> dict[int, float]:
         torch.nn.Linear(64, 1),
     )  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = {}
-    for step in range(steps):
-        opt.zero_grad()
-        total = 0.0
-        for index in range(micro_batches):
-            seed = torch.Generator().manual_seed(step * 1_000_003 + index)
-            x = torch.randn(16, 32, generator=seed)
-            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / micro_batches
-            torch.autograd.backward(loss)
-            total += float(loss.detach())
-        opt.step()
-        losses[step + 1] = total
-    return losses
+    return one_process(model, opt, steps, micro_batches)
 
 
 def close(got: float, expected: float) -> bool:
