@@ -61,6 +61,20 @@ ARMS = ("torchrun", "pitstop", "elastic", "restore")  # the baseline first
 OPEN = ("planning", "proposed", "approved", "overridden", "auto_applied", "applying")
 
 
+def stack_environment(data: Path, **extra: str) -> dict[str, str]:
+    """The environment of a control plane the benchmark runs in ``data`` (its own SQLite file
+    and embedded Redis, whatever DATABASE_URL and REDIS_URL say), and of the launchers."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(
+        PITSTOP_DATA_DIR=str(data),
+        OMP_NUM_THREADS="1",
+        PITSTOP_HEARTBEAT_INTERVAL_S="0.5",
+        DJANGO_SETTINGS_MODULE="controlplane.settings",
+        **extra,
+    )
+    return env
+
+
 def _ranks(pid: int) -> dict[int, int]:
     """RANK -> pid of the script's processes under the launcher ``pid`` (torchrun's are one
     level further down: its elastic agent's children)."""
@@ -189,13 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     restore.setdefault("policies", {})["flashrecovery"] = {"same_devices": True, "restart_s": 3.0}
     with tempfile.TemporaryDirectory(prefix="pitstop-launch-restart-") as tmp:
         data = Path(tmp)
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-        env.update(
-            PITSTOP_DATA_DIR=str(data),
-            OMP_NUM_THREADS="1",
-            PITSTOP_HEARTBEAT_INTERVAL_S="0.5",
-            DJANGO_SETTINGS_MODULE="controlplane.settings",
-        )
+        env = stack_environment(data)
         processes = Processes(data / "logs", env)
         (data / "logs").mkdir()
         plane = ControlPlane(data, free_port(), processes)

@@ -60,6 +60,16 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ),
     # torchrun's restart sometimes never forms its group: a run waits 20 s at most for it
     ("benchmarks.launch_restart", None): ("--repeats", "1", "--timeout", "20"),
+    # one kill of 2 replicas: Pitstop's rerouting beside torchft's shortest timeouts
+    ("benchmarks.torchft_side_by_side", None): (
+        *("--repeats", "1", "--arms", "pitstop,torchft-aggressive", "--replicas", "2"),
+        *("--timeout", "30"),
+    ),
+    # one path, a few steps either side of the kill (the stack's start is most of its time)
+    ("benchmarks.loss_parity", None): (
+        *("--paths", "ddp-reroute", "--steps-before", "3", "--steps-after", "3"),
+        *("--timeout", "40"),
+    ),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),
