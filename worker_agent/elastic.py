@@ -159,11 +159,14 @@ class DataParallel:
         self.params = [p for p in model.parameters() if p.requires_grad]
         try:
             self._enter(self._prefix, self._everyone)
-        except Aborted:  # a peer failed before the first step: wait for the plan around it
+        except Aborted as exc:  # a peer failed before the first step: wait for the plan around it
             if not self.link.active:
                 raise
             self._leave()
             self.link.set_state("idle")
+            joined = os.environ.pop(JOINED_VARIABLE, None)
+            if joined:  # the plan this process started itself again for failed
+                self.link.done(joined, False, LinkError(code="aborted", message=str(exc)))
             return
         joined = os.environ.pop(JOINED_VARIABLE, None)
         if joined:  # started again by its own process for this plan (HybridSharded)

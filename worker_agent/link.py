@@ -419,9 +419,12 @@ class TrainerLink:
         the same link: the agent sees the same process and link, and the new image says hello
         again. The write lock is held to the end, so that no line is cut in half."""
         self._write_lock.acquire()
-        if self._sock is not None:
-            os.set_inheritable(self._sock.fileno(), True)
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(environ))
+        try:
+            if self._sock is not None:
+                os.set_inheritable(self._sock.fileno(), True)
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(environ))
+        finally:  # reached only when the exec failed
+            self._write_lock.release()
 
     def close(self) -> None:
         if self._sock is not None:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import math
 import resource
 import time
 import uuid
@@ -62,6 +63,9 @@ from worker_agent import protocol
 from worker_agent.protocol import ErrorCode, ProtocolError
 
 log = structlog.get_logger(__name__)
+
+# The least time between two profiles a socket's job takes (``protocol.Profile``).
+PROFILE_INTERVAL_S = 5.0
 T = TypeVar("T")
 
 
@@ -268,6 +272,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     closing = False  # the server closed the socket (or found it gone): frames are dropped now
     released = False
     raw = "{}"  # the latest heartbeat, as stored
+    profiled_s = -math.inf  # when this socket's latest profile was taken
     hello_deadline: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -406,6 +411,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
         elif isinstance(frame, protocol.Profile):
+            # a script measures itself once a world: more often is a loop gone wrong, and each
+            # profile rewrites the job's row, so one in PROFILE_INTERVAL_S is taken
+            now = time.monotonic()
+            if now - self.profiled_s < PROFILE_INTERVAL_S:
+                log.info("agent.profile_skipped", job=self.session.job_id, node=self.session.node)
+                return
+            self.profiled_s = now
             taken = await in_thread(_profiled)(self.session, frame)
             log.info("agent.profile", job=self.session.job_id, node=self.session.node, taken=taken)
         else:

@@ -20,7 +20,8 @@ from controlplane.bridge import rows
 from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import create_job
-from tests.controlplane.test_agent_socket import connect, hello, said
+from controlplane.streaming import agent as streaming_agent
+from tests.controlplane.test_agent_socket import connect, heartbeat, hello, said
 from worker_agent import protocol
 from worker_agent.launch import World, job_scenario
 
@@ -93,7 +94,10 @@ async def test_a_profile_makes_a_launcher_jobs_model_and_fits_its_plans() -> Non
     assert state.profile.layers == 3
 
 
-async def test_a_profile_that_cannot_fit_is_refused_naming_its_field_and_changes_nothing() -> None:
+async def test_a_profile_that_cannot_fit_is_refused_naming_its_field_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(streaming_agent, "PROFILE_INTERVAL_S", 0.0)  # two in a row, both read
     pipelines = json.loads((ROOT / "examples" / "llama2-7b-pp4-dp2-tp1.json").read_text())
     pipelines["failed"], pipelines["cluster"]["devices_per_node"] = [], 4
     job, socket = await joined(copy.deepcopy(pipelines), [0, 1, 2, 3])
@@ -144,3 +148,22 @@ async def test_a_profile_sent_while_a_recovery_is_open_waits_for_the_next() -> N
     finally:
         await socket.disconnect()
     assert (await reloaded(job)).scenario == job.scenario
+
+
+async def test_a_socket_that_sends_profiles_in_a_loop_has_one_taken_per_interval() -> None:
+    """Each profile rewrites the job's row: one in ``PROFILE_INTERVAL_S`` is taken, the others
+    are dropped without an error (the script measures itself once a world)."""
+    job, socket = await joined(launcher_scenario(), [0])
+    try:
+        await socket.send_to(profile(seq=1))
+        for seq in range(2, 12):
+            await socket.send_to(profile(seq=seq, micro_batches=seq))
+        await socket.send_to(heartbeat(12))
+        await socket.send_to(protocol.encode(protocol.Goodbye(reason="every frame was read")))
+        closed = await socket.receive_output(timeout=10)  # no error frame for the dropped ones
+        assert closed["type"] == "websocket.close", closed
+    finally:
+        await socket.disconnect()
+    taken = await reloaded(job)
+    assert taken.scenario["model"]["layers"] == 3
+    assert taken.scenario["training"]["global_batch"] == 4  # the first one's
