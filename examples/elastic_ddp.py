@@ -16,6 +16,7 @@ the members, the global batch's mean loss, the members).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 
@@ -32,6 +33,9 @@ def _arguments() -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     p.add_argument("--samples", type=int, default=16, help="samples a micro-batch")
+    p.add_argument(
+        "--digest", action="store_true", help="also print a digest of the weights each step"
+    )
     return p.parse_args()
 
 
@@ -65,6 +69,11 @@ def main() -> None:
         rank = run.members.index(run.device)
         line = f"rank {rank} step {run.step} loss {loss:.6f} world {len(run.members)}"
         sys.stdout.write(line + "\n")
+        if args.digest:  # the weights' bytes: replicas hold the same ones, bit for bit
+            weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+            sys.stdout.write(
+                f"rank {rank} step {run.step} digest {hashlib.sha1(weights).hexdigest()}\n"
+            )
 
 
 if __name__ == "__main__":

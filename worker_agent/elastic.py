@@ -197,6 +197,11 @@ class DataParallel:
         """Why this rank cannot train in a world of ``members``, if it cannot."""
         return None
 
+    def _agree(self, synced: bool) -> bool:
+        """Whether the step is taken, once this rank's sync ``synced`` or not: the ranks that
+        hold one replica take it together (here, one rank is the replica)."""
+        return synced
+
     def _before_entering(self, command: CommandMessage, members: Sequence[int]) -> None:
         """What a plan that keeps this rank needs before the rank joins its generation."""
 
@@ -337,8 +342,6 @@ class DataParallel:
         self, generation: Generation, loss_of: Callable[[int, int], torch.Tensor]
     ) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        if generation.abort.is_set():
-            raise Aborted("a peer failed")
         total = 0.0
         passes = self._passes(generation.members)
         profiler = self._measuring(generation)
@@ -360,12 +363,18 @@ class DataParallel:
         flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total])])
         peers = self._peers(generation.members)
         began = time.perf_counter()
-        generation.guard(lambda: generation.all_reduce(peers, flat))
-        synced = time.perf_counter()
-        loss = flat[-1:]
-        if peers != generation.members:  # the loss of every rank, not only the replicas
-            loss = torch.tensor([total])
-            generation.guard(lambda: generation.all_reduce(generation.members, loss))
+        try:
+            generation.guard(lambda: generation.all_reduce(peers, flat))
+            synced = time.perf_counter()
+            loss = flat[-1:]
+            if peers != generation.members:  # the loss of every rank, not only the replicas
+                loss = torch.tensor([total])
+                generation.guard(lambda: generation.all_reduce(generation.members, loss))
+        except Aborted:
+            self._agree(False)
+            raise
+        if not self._agree(True):
+            raise Aborted("a rank of the replica group did not finish the step's sync")
         self._unflatten(flat[:-1], grads)
         for p, g in zip(self.params, grads, strict=True):
             if p.grad is None:
@@ -587,6 +596,19 @@ class HybridSharded(DataParallel):
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last)
 
+    def _agree(self, synced: bool) -> bool:
+        """The group steps only if every rank of it synced: across groups a rank's all-reduce
+        may complete where its group peer's failed (a peer died midway), and a group whose
+        shards stood at different steps would have no state to restore from. A vote over the
+        group's own collectives (which a dead group peer fails: then the group is broken)."""
+        vote = torch.tensor([1 if synced else 0])
+        try:
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+        except RuntimeError:
+            self._broken = True
+            return False
+        return bool(vote[0])
+
     def _pass(
         self,
         generation: Generation,
@@ -594,8 +616,10 @@ class HybridSharded(DataParallel):
         index: int,
         weight: float,
     ) -> float:
-        # no abort between a group's passes: FSDP keeps the unsynced gradients of the passes
-        # before, which the step's last backward reduces
+        # no abort before or between a group's passes: FSDP's collectives are the group's,
+        # and its ranks see an abort at different moments (each leaves at the sync, then they
+        # vote: ``_agree``); FSDP keeps the unsynced gradients of the passes before, which the
+        # step's last backward reduces
         try:
             loss = loss_of(self.step, index) * (weight / self.micro_batches)
             torch.autograd.backward(loss)

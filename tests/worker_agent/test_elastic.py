@@ -28,6 +28,7 @@ from worker_agent.elastic import share
 
 SCRIPT = str(REPO_ROOT / "examples" / "elastic_ddp.py")
 LINE = re.compile(r"^rank (\d+) step (\d+) loss (\S+) world (\d+)$", re.M)
+DIGEST = re.compile(r"^rank \d+ step (\d+) digest (\w+)$", re.M)
 MICRO_BATCHES = 4
 TIMEOUT_S = 120.0
 
@@ -108,7 +109,7 @@ def _two_nodes(
     port = free_port()
     servers = [ScriptedServer() for _ in range(nodes)]
     script = [SCRIPT, "--steps", "100000", "--step-s", "0.05", "--optimizer", optimizer]
-    script += ["--micro-batches", str(MICRO_BATCHES)]
+    script += ["--micro-batches", str(MICRO_BATCHES), "--digest"]
     processes = [
         launch_node(
             rank, port, servers[rank].url, script, "--elastic", "--max-restarts", "3",
@@ -236,6 +237,11 @@ def test_a_crashed_replica_starts_again_with_a_live_replicas_state(tmp_path: Pat
     assert resumed == list(range(resumed[0], resumed[-1] + 1))
     expected = reference(max(s for _, s, _, _ in lines), "adamw")
     assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)
+    # the restored replica holds its peer's weights bit for bit, and every step after too
+    digests = [dict(DIGEST.findall(path.read_text())) for path in out]
+    shared = sorted(set(digests[0]) & set(digests[1]), key=int)
+    assert [int(s) for s in shared if int(s) > before][:3] == resumed[:3], (shared, resumed)
+    assert all(digests[0][s] == digests[1][s] for s in shared)
 
 
 def test_a_kill_during_the_rerouted_steps_and_another_before_the_replacement_arrives(

@@ -159,7 +159,8 @@ def _apply(servers: list[ScriptedServer], plan: dict[str, Any]) -> None:
 
 def _all_close(lines: list[tuple[int, int, float, int]]) -> None:
     expected = reference(max(s for _, s, _, _ in lines), 4)
-    assert all(close(loss, expected[s]) for _, s, loss, _ in lines), (lines, expected)
+    wrong = [(r, s, loss, w, expected[s]) for r, s, loss, w in lines if not close(loss, expected[s])]
+    assert not wrong, wrong
 
 
 def test_a_lost_ranks_group_is_out_and_the_other_takes_its_micro_batches(two_groups: Any) -> None:
