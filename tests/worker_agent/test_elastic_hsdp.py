@@ -159,7 +159,7 @@ def _apply(servers: list[ScriptedServer], plan: dict[str, Any]) -> None:
 
 def _all_close(lines: list[tuple[int, int, float, int]]) -> None:
     expected = reference(max(s for _, s, _, _ in lines), 4)
-    wrong = [(r, s, loss, w, expected[s]) for r, s, loss, w in lines if not close(loss, expected[s])]
+    wrong = [(r, s, got, w, expected[s]) for r, s, got, w in lines if not close(got, expected[s])]
     assert not wrong, wrong
 
 
