@@ -57,8 +57,9 @@ from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation,
 # A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
 # command, named here, once it has joined the plan's world.
 JOINED_VARIABLE = "PITSTOP_JOINED_COMMAND"
-# Steps a world measures (after its first) before the profile goes to the control plane.
-MEASURED_STEPS = 3
+# Steps a world measures (after its first) before the profile goes to the control plane;
+# PITSTOP_PROFILE_STEPS=0 turns the measurement off.
+MEASURED_STEPS = int(os.environ.get("PITSTOP_PROFILE_STEPS", "3"))
 
 
 class Stopped(SystemExit):
@@ -393,7 +394,7 @@ class DataParallel:
         """The profiler of this step, when it is one of the measured steps of this world: under
         an agent, on the lowest member, the steps after the world's first (its groups' first
         use) up to ``MEASURED_STEPS``."""
-        if not self.link.active or self.device != min(generation.members):
+        if MEASURED_STEPS < 1 or not self.link.active or self.device != min(generation.members):
             return None
         if self._profile is None or self._profile[0] != generation.prefix:
             self._profile = (generation.prefix, 0, StepProfiler(self.model))

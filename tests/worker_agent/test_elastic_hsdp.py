@@ -175,7 +175,9 @@ def test_a_lost_ranks_group_is_out_and_the_other_takes_its_micro_batches(two_gro
     lines = _steps(out[0])
     after = sorted({s for _, s, _, w in lines if w == 2})
     assert after == list(range(after[0], after[-1] + 1)), after
-    assert after[0] in (before, before + 1), (before, after)
+    # the killed rank may have given its part of a step or two before it died: those steps
+    # completed in the world of four, and printed after the fault was read
+    assert before <= after[0] <= before + 2, (before, after)
     _all_close(lines)
 
 
