@@ -177,6 +177,20 @@ class Store:
         except Exception as exc:  # the store is away: the abort is lost, the fault is not
             log.warning("store %s:%d: %s not set: %s", self.host, self.port, key, exc)
 
+    async def over(self, generation: str) -> bool:
+        """Whether ``generation`` was aborted or superseded: the job went on without it (a
+        store that cannot be reached says no)."""
+
+        def read() -> bool:
+            store = self._open()
+            return any(store.check([f"{generation}{key}"]) for key in ("abort", "superseded"))
+
+        try:
+            return await asyncio.to_thread(read)
+        except Exception as exc:
+            log.warning("store %s:%d: %s not read: %s", self.host, self.port, generation, exc)
+            return False
+
     def close(self) -> None:
         self._store = None  # the server (if hosted) stops with its last reference
 
@@ -299,7 +313,7 @@ class Agent:
                 await self.store.start()
             if self.settings.control:
                 await self._serve_control()
-            for device in self.settings.devices:
+            for device in await self._first_devices():
                 await self._start_rank(device)
             self._uplink = self._spawn(self.uplink.run(self.leave))
             self._uplink.add_done_callback(lambda _: self.finish.set())
@@ -310,6 +324,10 @@ class Agent:
         finally:
             await self.shutdown()
         return self.exit_code
+
+    async def _first_devices(self) -> list[int]:
+        """The devices whose ranks start with the agent: all of them."""
+        return list(self.settings.devices)
 
     def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coroutine)

@@ -194,6 +194,16 @@ class Launcher(Agent):
             )
         )
 
+    async def _first_devices(self) -> list[int]:
+        """--elastic: none when the job's first world is over (this node joins a job that went
+        on without it: a replacement): its ranks start with the control plane's plan, in its
+        generation (``on_command``), not in a world whose store keys dead processes wrote."""
+        store = self.store if self.world.elastic and not self.settings.serve_store else None
+        if store is not None and await store.over(self.generation):
+            log.info("the job's first world is over: this node's ranks wait for a plan")
+            return []
+        return await super()._first_devices()
+
     def _environment(self, device: int) -> dict[str, str]:
         env = self.world.environment(device)
         path = os.environ.get("PYTHONPATH")

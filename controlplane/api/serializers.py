@@ -164,6 +164,7 @@ class RecoverySerializer(serializers.ModelSerializer):
             "deadline_at",
             "resumed_step",
             "superseded_by",
+            "grows",
             "created_at",
             "updated_at",
         )

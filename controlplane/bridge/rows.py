@@ -18,7 +18,7 @@ from controlplane.recovery.codec import (
     scenario_from_dict,
     validate_plan,
 )
-from controlplane.recovery.decision import Decision, decide
+from controlplane.recovery.decision import Decision, decide, grow
 from controlplane.recovery.errors import InvalidScenario, RecoveryError
 from controlplane.recovery.measured import measured_name, model_section, ring_gbps
 from controlplane.recovery.measured import with_measurement as _with_measurement
@@ -92,8 +92,11 @@ def decide_for(
     devices: list[int],
     policies: list[str],
     restartable: set[int] | None = None,
+    grows: bool = False,
 ) -> dict[str, Any]:
-    """Every enabled policy's candidates for a failure of ``devices`` (codec decision dict).
+    """Every enabled policy's candidates for a failure of ``devices`` (codec decision dict);
+    ``grows``: whether the running job takes back the devices it lost to that failure, now
+    healthy (the core's ``grow``: the running plan kept, first, or the policies' growths).
 
     ``failed`` is every device down now, the failure's included. No row is read or written:
     the caller stores the answer (or shows it, for a what-if).
@@ -105,7 +108,8 @@ def decide_for(
     )
     asked = policies or default_names()
     options = {name: dict(parsed.options[name]) for name in asked if name in parsed.options}
-    decision: Decision = decide(state, failure, policies=asked, options=options)
+    choose = grow if grows else decide
+    decision: Decision = choose(state, failure, policies=asked, options=options)
     return decision_to_dict(decision)
 
 

@@ -110,7 +110,11 @@ def record_failure(
             .filter(job=job, status__in=OPEN)
             .first()
         )
-        if open_decision is not None and open_decision.status == DecisionStatus.PLANNING:
+        if (
+            open_decision is not None
+            and open_decision.status == DecisionStatus.PLANNING
+            and not open_decision.grows  # superseded: its failure is an old one, its devices back
+        ):
             failure = open_decision.failure
             merged = sorted(set(failure.devices) | set(devices))
             if merged != failure.devices:
@@ -292,6 +296,7 @@ def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | N
             devices=seen,
             policies=list(job.enabled_policies),
             restartable=_restartable(job, down),
+            grows=decision.grows,
         )
         with transaction.atomic():
             locked = RecoveryDecision.objects.select_for_update().get(pk=decision_id)
@@ -321,6 +326,14 @@ def _proposed(
         "chosen": chosen,
         "codes": {c["policy"]: c["code"] for c in answer["candidates"]},
     }
+    if decision.grows and (chosen is None or chosen == 0):
+        # the running plan is kept (candidate 0, ``KEEP``): the devices that came back stay
+        # spares, nothing is applied, and the job never stopped
+        kept = answer["candidates"][0]
+        transition(decision.pk, DecisionStatus.DISMISSED, actor="planner", payload=summary,
+                   decision=answer, chosen=0, reason="the running plan is kept: no growth beats"
+                   f" its objective ({kept['objective']:.4g})")  # fmt: skip
+        return DecisionStatus.DISMISSED
     if chosen is None:
         # until a node joins in a lost one's place (``node_came_back``)
         transition(decision.pk, DecisionStatus.FAILED, actor="planner", payload=summary,
@@ -531,7 +544,9 @@ def node_came_back(
     the running plan healthy, else spares. A job that no policy could recover with the devices
     it had (``failed``, its latest decision failed) then plans again for that decision's
     failure, now with them: the job waits for a replacement as long as its surviving agents
-    do. The new decision, or None."""
+    do. A job that runs on with stages rerouted since its latest recovery decides whether to
+    grow back onto them (``grows``: the core's ``grow``, the running plan kept unless a growth
+    beats it). The new decision, or None."""
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
         decided = RecoveryDecision.objects.select_related("failure").filter(job=job)
@@ -544,22 +559,37 @@ def node_came_back(
         devices.exclude(index__in=used).update(state=DeviceState.SPARE)
         latest = decided.order_by("-created_at", "-pk").first()
         log.info("node.came_back", job=job_id, node=node_id, devices=back)
-        if job.status != JobStatus.FAILED or latest is None:
+        if latest is None:
             return None
-        if latest.status != DecisionStatus.FAILED:
-            return None
-        Job.objects.filter(pk=job.pk).update(status=JobStatus.RECOVERING)
         name = Node.objects.values_list("name", flat=True).get(pk=node_id)
-        return _plan_again(job, latest.failure, plan, replans_after=latest.pk, joined=name,
-                           devices_back=back)  # fmt: skip
+        why: dict[str, Any] = {"replans_after": latest.pk, "joined": name, "devices_back": back}
+        if job.status == JobStatus.FAILED and latest.status == DecisionStatus.FAILED:
+            Job.objects.filter(pk=job.pk).update(status=JobStatus.RECOVERING)
+            return _plan_again(job, latest.failure, plan, **why)
+        if back and job.status == JobStatus.RUNNING and _rerouted(job.plan):
+            return _plan_again(job, latest.failure, plan, grows=True, **why)
+        return None
+
+
+def _rerouted(plan: Any) -> bool:
+    """Whether a stage of ``plan`` (the codec's dict) borrows its replicas' devices."""
+    pipelines = (plan or {}).get("pipelines", ())
+    return any(stage.get("rerouted") for p in pipelines for stage in p.get("stages", ()))
 
 
 def _plan_again(
-    job: Job, failure: Failure, plan: Callable[[int], None] | None, **why: Any
+    job: Job,
+    failure: Failure,
+    plan: Callable[[int], None] | None,
+    *,
+    grows: bool = False,
+    **why: Any,
 ) -> RecoveryDecision:
     """A new decision for ``failure`` (an earlier one's), handed to the planners after the
-    commit; ``why`` goes on its ``planning_started`` event."""
-    decision = RecoveryDecision.objects.create(job=job, failure=failure)
+    commit; ``why`` goes on its ``planning_started`` event (with ``grows``, when set)."""
+    decision = RecoveryDecision.objects.create(job=job, failure=failure, grows=grows)
+    if grows:
+        why["grows"] = True
     record(job, EventKind.PLANNING_STARTED, actor="system", decision=decision, failure=failure,
            **why)  # fmt: skip
     log.info("decision.replanned", decision=decision.pk, failure=failure.pk, **why)

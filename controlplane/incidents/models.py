@@ -120,6 +120,12 @@ class RecoveryDecision(models.Model):
     superseded_by = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="supersedes"
     )
+    grows = models.BooleanField(
+        default=False,
+        help_text="opened when a node came back to a job running without its devices: the "
+        "candidates keep the running plan or take the devices back (the core's grow), and the "
+        "failure is the one the job lost them to",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

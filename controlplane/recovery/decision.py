@@ -1,7 +1,8 @@
 """The core's one decision: ask the enabled policies for candidates and choose by eq. 8.
 
 Every caller that recovers a job goes through ``decide``: the command line's ``plan``, the
-simulator at each failure, and the control plane's planning task. The candidates it returns are
+simulator at each failure, and the control plane's planning task. ``grow`` is its counterpart
+when devices come back to a job that runs without them. The candidates it returns are
 ready for the codec (``codec.decision_to_dict``), declined ones included, so an operator sees
 why each policy that did not apply declined.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from controlplane.recovery import policies as registry
 from controlplane.recovery.model import Candidate, ClusterState, Failure
-from controlplane.recovery.policies.base import Policy
+from controlplane.recovery.policies.base import Policy, unchanged
 
 # Options for each policy by name, as its options class takes them (``policies.describe``).
 PolicyOptions = Mapping[str, Mapping[str, object]]
@@ -85,6 +86,39 @@ def decide(
     candidates: list[Candidate] = []
     for policy in asked:
         candidates.extend(policy.propose(state, failure))
+    return Decision(
+        failure=failure,
+        candidates=tuple(candidates),
+        chosen=best_index(candidates),
+        search_s=time.perf_counter() - started,
+    )
+
+
+# The candidate that keeps the running plan, first in a decision to grow.
+KEEP = "keep"
+
+
+def grow(
+    state: ClusterState,
+    failure: Failure,
+    *,
+    policies: Sequence[str | Policy],
+    options: PolicyOptions | None = None,
+) -> Decision:
+    """Whether a running job takes devices back (a lost node's own, or a replacement's): the
+    running plan kept (``KEEP``, first, at no cost) and every policy's growth candidates
+    (``Policy.grow``), chosen by eq. 8 as for a failure. A growth is chosen only when its
+    objective beats keeping the plan (ties keep it): what the job gains over the next
+    inter-fault interval pays for the transition that brings the devices in.
+
+    ``state.failed`` lists the devices still down; those back are healthy and not in the
+    running plan (spares). ``failure`` is the one the job lost them to, for the record.
+    """
+    asked = resolve(policies, options)
+    started = time.perf_counter()
+    candidates = [unchanged(KEEP, state)]
+    for policy in asked:
+        candidates.extend(policy.grow(state))
     return Decision(
         failure=failure,
         candidates=tuple(candidates),

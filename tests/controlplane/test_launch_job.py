@@ -177,3 +177,72 @@ def test_a_node_back_while_its_loss_was_planned_is_taken_in_when_planning_fails(
     again = decisions.RecoveryDecision.objects.exclude(pk=lost.pk).get(job=job)
     assert again.status == DecisionStatus.APPLYING and again.failure_id == lost.failure_id
     assert Device.objects.get(job=job, index=1).state == "healthy"
+
+
+def _rerouted_without_node_1(failure_rate: float) -> tuple[Job, Node, int]:
+    """A job of two replicas that lost node-1 and runs on node-0 alone, rerouted (recovered)."""
+    scenario = copy.deepcopy(SCENARIO)
+    scenario["cluster"]["failure_rate_per_device_hour"] = failure_rate
+    job, _ = create_job("ddp", scenario, enabled_policies=["rerouting", "flashrecovery"])
+    for node in Node.objects.filter(job=job):
+        lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    first = _lose_node_1(job)
+    rerouted = decisions.RecoveryDecision.objects.get(pk=first)
+    assert rerouted.chosen is not None
+    assert rerouted.candidates[rerouted.chosen]["policy"] == "rerouting"
+    decisions.RecoveryDecision.objects.filter(pk=first).update(status=DecisionStatus.RECOVERED)
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING)
+    node = Node.objects.get(job=job, name="node-1")
+    assert lifecycle.joined(job_id=job.pk, node_id=node.pk) is True
+    return job, node, first
+
+
+def test_a_job_running_rerouted_grows_back_onto_the_node_that_came_back() -> None:
+    job, node, first = _rerouted_without_node_1(failure_rate=0.1)
+    grows = decisions.node_came_back(job.pk, node.pk)
+    assert grows is not None and grows.grows
+    assert Device.objects.get(job=job, index=1).state == "spare"  # until a plan takes it
+    assert Job.objects.get(pk=job.pk).status == JobStatus.RUNNING  # it never stopped
+    started = grows.events.get(kind=EventKind.PLANNING_STARTED).payload
+    assert started == {"replans_after": first, "joined": "node-1", "devices_back": [1],
+                       "grows": True}  # fmt: skip
+    assert decisions.plan(grows.pk) == DecisionStatus.APPLYING
+    applied = decisions.RecoveryDecision.objects.get(pk=grows.pk)
+    keep, growth = applied.candidates
+    assert keep["policy"] == "keep" and keep["transition"]["total_s"] == 0
+    assert applied.chosen == 1 and growth["policy"] == "flashrecovery"
+    # eq. 8: the second replica halves the step, worth its transition over ~5 h to a fault
+    assert growth["objective"] > keep["objective"]
+    assert applied.plan == growth["plan"]
+    used = {d for p in growth["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0, 1}
+    assert Device.objects.get(job=job, index=1).state == "healthy"
+    assert applied.commands.count() == 2  # both nodes are told
+
+
+def test_a_growth_that_does_not_pay_for_itself_keeps_the_running_plan_and_applies_nothing() -> None:
+    # a fault every ~18 s on two devices: the transition would eat what the replica gains
+    job, node, _ = _rerouted_without_node_1(failure_rate=100.0)
+    grows = decisions.node_came_back(job.pk, node.pk)
+    assert grows is not None
+    assert decisions.plan(grows.pk) == DecisionStatus.DISMISSED
+    kept = decisions.RecoveryDecision.objects.get(pk=grows.pk)
+    keep, growth = kept.candidates
+    assert keep["objective"] > growth["objective"] > 0
+    assert kept.chosen == 0 and kept.chosen_by is None and "running plan is kept" in kept.reason
+    assert not kept.commands.exists()
+    assert Device.objects.get(job=job, index=1).state == "spare"
+    assert Job.objects.get(pk=job.pk).status == JobStatus.RUNNING
+
+
+def test_a_failure_while_a_growth_is_planned_supersedes_it_and_is_its_own() -> None:
+    job, node, _ = _rerouted_without_node_1(failure_rate=0.1)
+    grows = decisions.node_came_back(job.pk, node.pk)
+    assert grows is not None
+    failure, decision = decisions.record_failure(
+        job, kind="crash", devices=[0], source=FailureSource.AGENT, occurred_at=timezone.now()
+    )
+    assert decision.pk != grows.pk and not decision.grows
+    assert failure.devices == [0] and failure.pk != grows.failure_id
+    assert decisions.RecoveryDecision.objects.get(pk=grows.pk).status == DecisionStatus.SUPERSEDED
+    assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING

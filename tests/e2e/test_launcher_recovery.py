@@ -238,13 +238,16 @@ def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
     assert not [line for line in steps(stack, 0) if line[2] == 0]  # it never trained before
 
 
-def elastic_job(stack: Stack, *, hsdp: bool = False, mode: str = "auto") -> tuple[str, int]:
+def elastic_job(
+    stack: Stack, *, hsdp: bool = False, mode: str = "auto", port: int | None = None
+) -> tuple[str, int]:
     """Two launchers of examples/elastic_ddp.py (or elastic_hsdp.py) under --elastic, the job
-    made by the first with an admin's token, both training: the admin's token and the job."""
+    made by the first with an admin's token, both training: the admin's token and the job.
+    ``port``: node 0's, where it hosts the job's store."""
     admin = stack.manage("shell", "-c", ADMIN)
     for name in ("redis", "server", "worker"):
         stack.start(name)
-    port = free_port()
+    port = port or free_port()
     for rank in (0, 1):
         launch(
             stack, rank, port, api_token=admin, job="elastic", elastic=True, hsdp=hsdp,
@@ -304,6 +307,60 @@ def test_an_elastic_script_loses_a_node_and_goes_on_in_memory_on_the_other(
     )
     assert children_of(stack.processes["agent-node-0"].pid) == survivor  # never restarted
     print(f"elastic reroute: kill to recovered {recovered_s:.1f} s")
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["ddp", "hsdp"])
+def test_an_elastic_job_grows_back_onto_a_replacement_node_restored_from_its_peer(
+    stack: Stack, hsdp: bool
+) -> None:
+    """node-1 lost: node-0 goes on alone (rerouted); a new host in node-1's place: the control
+    plane decides to grow (the running plan kept, or the replica restored from peers: eq. 8
+    chooses) and node-1's new process takes node-0's model, optimizer and step, in memory
+    (HSDP: node-1's two ranks, a replica group, take node-0's group's shards)."""
+    port = free_port()
+    admin, job = elastic_job(stack, port=port, hsdp=hsdp)
+    survivor = children_of(stack.processes["agent-node-0"].pid)
+    stack.kill("agent-node-1")
+    rerouted = ended(stack, admin, job)
+    assert rerouted["candidates"][rerouted["chosen"]]["policy"] == "rerouting", rerouted
+
+    def lines(rank: int) -> list[tuple[int, int]]:
+        text = (stack.tmp / f"node-{rank}.out").read_text()
+        return [(int(s), int(w)) for _, s, w in ELASTIC_LINE.findall(text)]
+
+    alone = 2 if hsdp else 1
+    stack.wait(lambda: [s for s, w in lines(0) if w == alone], "node 0 training alone", 30)
+    (stack.tmp / "node-1.out").rename(stack.tmp / "node-1.before.out")
+    joined_at = time.monotonic()
+    launch(stack, 1, port, api_token=admin, job="elastic", elastic=True, hsdp=hsdp)
+    grown = stack.wait(
+        lambda: (
+            (d := latest_recovery(stack, admin, job))["id"] != rerouted["id"]
+            and d["status"] in ("recovered", "failed", "dismissed")
+            and d
+        ),
+        "the decision to grow",
+        120,
+    )
+    grown_s = time.monotonic() - joined_at
+    assert grown["grows"] and grown["status"] == "recovered", grown
+    chosen = grown["candidates"][grown["chosen"]]
+    assert chosen["policy"] == "flashrecovery", json.dumps(grown["candidates"])
+    assert grown["candidates"][0]["policy"] == "keep"
+    used = {d for p in grown["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == ({0, 1, 2, 3} if hsdp else {0, 1})
+    assert children_of(stack.processes["agent-node-0"].pid) == survivor  # never restarted
+    world = 4 if hsdp else 2
+    stack.wait(lambda: len([s for s, w in lines(1) if w == world]) >= 3, "node-1 training", 60)
+    # the new process started at node-0's step, not at 1: its state came from its peer
+    first = min(s for s, _ in lines(1))
+    steps_alone = [s for s, w in lines(0) if w == alone]
+    assert first > max(steps_alone), (first, steps_alone)
+    assert {s for s, w in lines(0) if w == world} >= {s for s, _ in lines(1)[:3]}
+    timeline = stack.api(f"/api/v1/recoveries/{grown['id']}/timeline/?format=json", admin)
+    started = [e for e in timeline["results"] if e["kind"] == "planning_started"]
+    assert started[0]["payload"]["joined"] == "node-1" and started[0]["payload"]["grows"]
+    print(f"elastic growth onto a replacement: joined to recovered {grown_s:.1f} s")
 
 
 def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(

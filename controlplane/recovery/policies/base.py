@@ -29,6 +29,11 @@ class Policy(Protocol):
         """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""
         ...
 
+    def grow(self, state: ClusterState) -> list[Candidate]:
+        """Candidates that give a running job devices back (``decision.grow``): none, unless
+        the policy can use the spares a node that came back brings."""
+        ...
+
     @property
     def rolls_back(self) -> bool:
         """Whether a recovery returns to the last checkpoint, throwing away the steps since it
@@ -57,6 +62,9 @@ class SteadyCosts:
     """
 
     rolls_back: ClassVar[bool] = False
+
+    def grow(self, state: ClusterState) -> list[Candidate]:
+        return []
 
     def step_factor(self, state: ClusterState) -> float:
         return 1.0

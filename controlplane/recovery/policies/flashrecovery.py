@@ -95,20 +95,9 @@ def plan_flashrecovery(
             replacement = replace_stages(state, broken)
     except InfeasiblePlan as exc:
         return Candidate.declined(policy, exc.decline, str(exc))
-    plan = state.plan
-    tp = plan.tp
-    holders = shard_holders(state)
-    for p, s in broken:
-        layers = plan.pipelines[p].stages[s].layers
-        for rank in range(tp):
-            if not holders.get((layers, rank)):
-                return Candidate.declined(
-                    policy,
-                    Code.NO_LIVE_REPLICA,
-                    f"layers {list(layers)} (stage {s} of pipeline {p}) have no "
-                    f"live data-parallel replica of tensor-parallel rank {rank}; "
-                    "restore from a checkpoint",
-                )
+    unreplicated = _without_replica(policy, state, broken)
+    if unreplicated is not None:
+        return unreplicated
     if failure.kind is FailureKind.NAN:
         # FlashRecovery §5: a NaN may already have reached every replica through the gradient
         # all-reduce, and copying it would restore the fault.
@@ -117,9 +106,84 @@ def plan_flashrecovery(
             Code.UNTRUSTED_STATE,
             "a NaN fault may have spread to the data-parallel replicas; restore from a checkpoint",
         )
+    return _restored(
+        policy,
+        state,
+        replacement,
+        restart_s=restart_s,
+        restore_setup_s=restore_setup_s,
+        detection_s=state.assumptions.detection_s,
+    )
 
+
+def grow_flashrecovery(
+    policy: str,
+    state: ClusterState,
+    *,
+    restart_s: float = RESTART_S,
+    restore_setup_s: float = RESTORE_SETUP_S,
+) -> list[Candidate]:
+    """A running job's rerouted stages given groups of their own again, from the spares (a
+    lost node's devices back, a replacement node), each new device filled from a live replica:
+    the job grows back to its plan's width. Nothing failed, so nothing is detected; the
+    survivors leave the step they are in. No candidate when no stage is rerouted."""
+    rerouted = tuple((p, s) for p, s, stage in state.plan.stages() if stage.rerouted)
+    if not rerouted:
+        return []
+    try:
+        replacement = replace_stages(state, rerouted)
+    except InfeasiblePlan as exc:
+        return [Candidate.declined(policy, exc.decline, str(exc))]
+    unreplicated = _without_replica(policy, state, rerouted)
+    if unreplicated is not None:
+        return [unreplicated]
+    return [
+        _restored(
+            policy,
+            state,
+            replacement,
+            restart_s=restart_s,
+            restore_setup_s=restore_setup_s,
+            detection_s=0.0,
+        )
+    ]
+
+
+def _without_replica(
+    policy: str, state: ClusterState, broken: Sequence[StageKey]
+) -> Candidate | None:
+    """Declined when a broken stage has a tensor-parallel rank with no live replica to copy."""
+    plan = state.plan
+    holders = shard_holders(state)
+    for p, s in broken:
+        layers = plan.pipelines[p].stages[s].layers
+        for rank in range(plan.tp):
+            if not holders.get((layers, rank)):
+                return Candidate.declined(
+                    policy,
+                    Code.NO_LIVE_REPLICA,
+                    f"layers {list(layers)} (stage {s} of pipeline {p}) have no "
+                    f"live data-parallel replica of tensor-parallel rank {rank}; "
+                    "restore from a checkpoint",
+                )
+    return None
+
+
+def _restored(
+    policy: str,
+    state: ClusterState,
+    replacement: Replacement,
+    *,
+    restart_s: float,
+    restore_setup_s: float,
+    detection_s: float,
+) -> Candidate:
+    """``replacement``'s plan, each new group's state copied from live replicas."""
     # FlashRecovery §3: each replaced rank pulls from a peer with the same (stage, TP rank);
     # spread the copies over the holders, then prefer the fastest link and the lower id.
+    plan = state.plan
+    tp = plan.tp
+    holders = shard_holders(state)
     cluster = state.cluster
     sends: Counter[int] = Counter()
     copies = []
@@ -137,9 +201,8 @@ def plan_flashrecovery(
         restore_s = copy_time_s(cluster, copies)
     except InfeasiblePlan as exc:
         return Candidate.declined(policy, exc.decline, str(exc))
-    assumptions = state.assumptions
     transition = TransitionCost(
-        detection_s=assumptions.detection_s,
+        detection_s=detection_s,
         # FlashRecovery §6: T_restore = max_r bytes_state(r)·k / bw(src(r) → r) + ~1 s setup,
         # bytes_state = weights + optimizer state (m_p + m_o; gradients are not copied)
         weight_transfer_s=restore_s + restore_setup_s,
@@ -180,3 +243,8 @@ class FlashRecoveryPolicy(SteadyCosts):
                 same_devices=self.same_devices,
             )
         ]
+
+    def grow(self, state: ClusterState) -> list[Candidate]:
+        return grow_flashrecovery(
+            self.name, state, restart_s=self.restart_s, restore_setup_s=self.restore_setup_s
+        )
