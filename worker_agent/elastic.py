@@ -57,6 +57,9 @@ from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation,
 # A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
 # command, named here, once it has joined the plan's world.
 JOINED_VARIABLE = "PITSTOP_JOINED_COMMAND"
+# Seconds a rank of a replica group waits for a command its group peer already has (the agents
+# send every command to all their ranks; a copy arrives within milliseconds)
+COMMAND_PATIENCE_S = 10.0
 # Steps a world measures (after its first) before the profile goes to the control plane;
 # PITSTOP_PROFILE_STEPS=0 turns the measurement off.
 MEASURED_STEPS = int(os.environ.get("PITSTOP_PROFILE_STEPS", "3"))
@@ -476,14 +479,18 @@ class DataParallel:
         if self.generation is not None and command.generation == self.generation.prefix:
             self.link.done(command.id, True)  # started in it (a restarted process): joined
             return
+        refused = self._refusal(members) if self.device in members else None
+        if refused is not None:
+            self.link.done(command.id, False, refused)
+            return
+        if self.generation is not None:
+            # the plan's world replaces this one: a peer still in it (its copy of the plan not
+            # come yet, a plan no fault preceded) leaves its collectives now, not at a timeout
+            self.generation.fail(f"device {self.device}: superseded by {command.generation}")
         if self.device not in members:  # not in the plan: idle until one takes it again
             self._leave()
             self.link.set_state("idle")
             self.link.done(command.id, True)
-            return
-        refused = self._refusal(members)
-        if refused is not None:
-            self.link.done(command.id, False, refused)
             return
         self._before_entering(command, members)
         self.link.set_state("restoring")
@@ -609,6 +616,28 @@ class HybridSharded(DataParallel):
             self._broken = True
             return False
         return bool(vote[0])
+
+    def _carry_out_waiting(self) -> None:
+        """The ranks of a replica group take a command at the same step boundary: a vote over
+        the group (any rank's command pending) before each step, and a rank whose copy has not
+        come yet waits for it. Otherwise one rank could enter the plan's world while its group
+        peer, a step in, waits for it in FSDP's collectives (a plan no fault preceded)."""
+        if self.generation is None or not self.link.active or self.shard_size == 1:
+            super()._carry_out_waiting()
+            return
+        command = self.link.poll_command(0)
+        pending = torch.tensor([0 if command is None else 1])
+        try:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        except RuntimeError:  # a group peer is gone: the generation is over, a plan will come
+            self._broken = True
+            self._leave()
+            self.link.set_state("idle")
+        if command is None and int(pending[0]):
+            command = self.link.poll_command(COMMAND_PATIENCE_S)
+        if command is not None:
+            self._carry_out(command)
+        super()._carry_out_waiting()
 
     def _pass(
         self,

@@ -113,6 +113,11 @@ def decide_for(
     return decision_to_dict(decision)
 
 
+def grows_with(policies: list[str]) -> bool:
+    """Whether one of ``policies`` (registry names) may grow a running job (``Policy.grow``)."""
+    return any(get_policy(name).grows for name in policies)
+
+
 def validate_override(scenario: Any, plan: Any, failed: set[int], edited: Any) -> dict[str, Any]:
     """An operator's edited plan checked against the job as it is now (memory, layers, batch,
     no failed device); returns it in the codec's format. ``InvalidScenario`` names the field."""

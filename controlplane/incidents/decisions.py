@@ -544,9 +544,9 @@ def node_came_back(
     the running plan healthy, else spares. A job that no policy could recover with the devices
     it had (``failed``, its latest decision failed) then plans again for that decision's
     failure, now with them: the job waits for a replacement as long as its surviving agents
-    do. A job that runs on with stages rerouted since its latest recovery decides whether to
-    grow back onto them (``grows``: the core's ``grow``, the running plan kept unless a growth
-    beats it). The new decision, or None."""
+    do. A job that runs on with stages rerouted, one of its policies able to grow it, decides
+    whether to grow back onto them (``grows``: the core's ``grow``, the running plan kept
+    unless a growth beats it). The new decision, or None."""
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
         decided = RecoveryDecision.objects.select_related("failure").filter(job=job)
@@ -566,7 +566,8 @@ def node_came_back(
         if job.status == JobStatus.FAILED and latest.status == DecisionStatus.FAILED:
             Job.objects.filter(pk=job.pk).update(status=JobStatus.RECOVERING)
             return _plan_again(job, latest.failure, plan, **why)
-        if back and job.status == JobStatus.RUNNING and _rerouted(job.plan):
+        growing = back and job.status == JobStatus.RUNNING and _rerouted(job.plan)
+        if growing and rows.grows_with(list(job.enabled_policies)):
             return _plan_again(job, latest.failure, plan, grows=True, **why)
         return None
 

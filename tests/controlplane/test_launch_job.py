@@ -179,11 +179,13 @@ def test_a_node_back_while_its_loss_was_planned_is_taken_in_when_planning_fails(
     assert Device.objects.get(job=job, index=1).state == "healthy"
 
 
-def _rerouted_without_node_1(failure_rate: float) -> tuple[Job, Node, int]:
+def _rerouted_without_node_1(
+    failure_rate: float, policies: tuple[str, ...] = ("rerouting", "flashrecovery")
+) -> tuple[Job, Node, int]:
     """A job of two replicas that lost node-1 and runs on node-0 alone, rerouted (recovered)."""
     scenario = copy.deepcopy(SCENARIO)
     scenario["cluster"]["failure_rate_per_device_hour"] = failure_rate
-    job, _ = create_job("ddp", scenario, enabled_policies=["rerouting", "flashrecovery"])
+    job, _ = create_job("ddp", scenario, enabled_policies=list(policies))
     for node in Node.objects.filter(job=job):
         lifecycle.joined(job_id=job.pk, node_id=node.pk)
     first = _lose_node_1(job)
@@ -246,3 +248,12 @@ def test_a_failure_while_a_growth_is_planned_supersedes_it_and_is_its_own() -> N
     assert failure.devices == [0] and failure.pk != grows.failure_id
     assert decisions.RecoveryDecision.objects.get(pk=grows.pk).status == DecisionStatus.SUPERSEDED
     assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING
+
+
+def test_a_job_whose_policies_cannot_grow_takes_the_node_back_as_a_spare_and_plans_nothing() -> (
+    None
+):
+    job, node, _ = _rerouted_without_node_1(failure_rate=0.1, policies=("rerouting", "dynamic"))
+    assert decisions.node_came_back(job.pk, node.pk) is None
+    assert Device.objects.get(job=job, index=1).state == "spare"
+    assert decisions.RecoveryDecision.objects.filter(job=job).count() == 1

@@ -56,3 +56,14 @@ def test_an_operator_dismisses_with_a_reason_and_the_devices_come_back() -> None
     assert 'id="dismiss"' not in page and "dismissed" in page
     again = operator.post(url, {"reason": "twice", "csrfmiddlewaretoken": token[1]})
     assert again.status_code == 409
+
+
+def test_a_decision_to_grow_says_so_and_its_dismiss_keeps_the_running_plan() -> None:
+    decision = proposed("manual")
+    operator = client_as("operator")
+    page = operator.get(f"/recoveries/{decision.pk}/").content.decode()
+    assert 'id="grows"' not in page and "a false alarm, nothing to recover" in page
+    RecoveryDecision.objects.filter(pk=decision.pk).update(grows=True)
+    page = operator.get(f"/recoveries/{decision.pk}/").content.decode()
+    assert 'id="grows"' in page and "Growing back" in page
+    assert "Dismiss: keep the running plan" in page and "false alarm" not in page

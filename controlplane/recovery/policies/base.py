@@ -29,6 +29,12 @@ class Policy(Protocol):
         """Candidates for recovering ``state`` (whose ``failed`` already includes ``failure``)."""
         ...
 
+    @property
+    def grows(self) -> bool:
+        """Whether ``grow`` may offer anything (a caller asks only when one of its policies
+        does)."""
+        ...
+
     def grow(self, state: ClusterState) -> list[Candidate]:
         """Candidates that give a running job devices back (``decision.grow``): none, unless
         the policy can use the spares a node that came back brings."""
@@ -62,6 +68,7 @@ class SteadyCosts:
     """
 
     rolls_back: ClassVar[bool] = False
+    grows: ClassVar[bool] = False
 
     def grow(self, state: ClusterState) -> list[Candidate]:
         return []

@@ -226,6 +226,7 @@ class FlashRecoveryPolicy(SteadyCosts):
     # worker_agent.elastic under pitstop-run --elastic); off, spares as in the paper
     same_devices: bool = False
     name: ClassVar[str] = "flashrecovery"
+    grows: ClassVar[bool] = True
 
     @property
     def restarts_in_place(self) -> bool:
