@@ -85,14 +85,14 @@ def launch(
     )  # fmt: skip
 
 
-def both_training(stack: Stack, token: str, job: int, step: int) -> None:
-    """Until both nodes are connected and the job's step (none before the first) is past
+def both_training(stack: Stack, token: str, job: int, step: int, nodes: int = 2) -> None:
+    """Until the ``nodes`` are connected and the job's step (none before the first) is past
     ``step``."""
     live = f"/api/v1/jobs/{job}/live/"
 
     def check() -> bool:
         now = stack.api(live, token)
-        return bool(now["nodes_connected"] == 2 and (now["step"] or 0) >= step)
+        return bool(now["nodes_connected"] == nodes and (now["step"] or 0) >= step)
 
     stack.wait(check, "both nodes training", 150)
 
@@ -239,23 +239,28 @@ def test_a_node_that_never_joins_leaves_a_smaller_world_down_to_the_minimum(
 
 
 def elastic_job(
-    stack: Stack, *, hsdp: bool = False, mode: str = "auto", port: int | None = None
+    stack: Stack,
+    *,
+    hsdp: bool = False,
+    mode: str = "auto",
+    port: int | None = None,
+    nodes: int = 2,
 ) -> tuple[str, int]:
-    """Two launchers of examples/elastic_ddp.py (or elastic_hsdp.py) under --elastic, the job
-    made by the first with an admin's token, both training: the admin's token and the job.
-    ``port``: node 0's, where it hosts the job's store."""
+    """``nodes`` launchers of examples/elastic_ddp.py (or elastic_hsdp.py) under --elastic,
+    the job made by the first with an admin's token, all training: the admin's token and the
+    job. ``port``: node 0's, where it hosts the job's store."""
     admin = stack.manage("shell", "-c", ADMIN)
     for name in ("redis", "server", "worker"):
         stack.start(name)
     port = port or free_port()
-    for rank in (0, 1):
+    for rank in range(nodes):
         launch(
             stack, rank, port, api_token=admin, job="elastic", elastic=True, hsdp=hsdp,
-            approval_mode=mode,
+            approval_mode=mode, nnodes=str(nodes),
         )  # fmt: skip
     jobs = stack.wait(lambda: stack.api("/api/v1/jobs/", admin)["results"], "the job", 60)
     (job,) = [j["id"] for j in jobs]
-    both_training(stack, admin, job, 8)
+    both_training(stack, admin, job, 8, nodes)
     # the script measured itself: the job's model is its modules, not the placeholder
     stack.wait(
         lambda: stack.api(f"/api/v1/jobs/{job}/", admin)["scenario"]["model"]["name"].endswith(
@@ -361,6 +366,60 @@ def test_an_elastic_job_grows_back_onto_a_replacement_node_restored_from_its_pee
     started = [e for e in timeline["results"] if e["kind"] == "planning_started"]
     assert started[0]["payload"]["joined"] == "node-1" and started[0]["payload"]["grows"]
     print(f"elastic growth onto a replacement: joined to recovered {grown_s:.1f} s")
+
+
+def test_a_second_node_lost_before_the_replacement_and_the_replacement_grows_one_back(
+    stack: Stack,
+) -> None:
+    """Three replicas, a node each: node-2 lost (rerouted onto two), then node-1 before any
+    replacement came (rerouted onto node-0 alone), then a new host in node-1's place: the job
+    grows by the one replica it can hold, restored from node-0, and node-2's share is now
+    rerouted onto both."""
+    port = free_port()
+    admin, job = elastic_job(stack, port=port, nodes=3)
+    survivor = children_of(stack.processes["agent-node-0"].pid)
+
+    def lines(rank: int) -> list[tuple[int, int]]:
+        text = (stack.tmp / f"node-{rank}.out").read_text()
+        return [(int(s), int(w)) for _, s, w in ELASTIC_LINE.findall(text)]
+
+    decided = []
+    for lost, world in ((2, 2), (1, 1)):
+        stack.kill(f"agent-node-{lost}")
+        decision = stack.wait(
+            lambda: (
+                (d := latest_recovery(stack, admin, job)).get("id") not in decided
+                and d.get("status") in ("recovered", "failed")
+                and d
+            ),
+            f"the recovery from node-{lost}'s loss",
+            90,
+        )
+        assert decision["status"] == "recovered", decision
+        assert decision["candidates"][decision["chosen"]]["policy"] == "rerouting"
+        decided.append(decision["id"])
+        stack.wait(lambda w=world: [s for s, n in lines(0) if n == w], f"a world of {world}", 30)
+    (stack.tmp / "node-1.out").rename(stack.tmp / "node-1.before.out")
+    launch(stack, 1, port, api_token=admin, job="elastic", elastic=True, nnodes="3")
+    grown = stack.wait(
+        lambda: (
+            (d := latest_recovery(stack, admin, job))["id"] not in decided
+            and d["status"] in ("recovered", "failed", "dismissed")
+            and d
+        ),
+        "the decision to grow",
+        120,
+    )
+    assert grown["grows"] and grown["status"] == "recovered", grown
+    assert grown["candidates"][grown["chosen"]]["policy"] == "flashrecovery"
+    stages = [p["stages"][0] for p in grown["plan"]["pipelines"]]
+    assert [(s["devices"], s.get("rerouted", False)) for s in stages] == [
+        ([0], False), ([1], False), ([0, 1], True)
+    ]  # fmt: skip
+    assert children_of(stack.processes["agent-node-0"].pid) == survivor
+    stack.wait(lambda: len([s for s, w in lines(1) if w == 2]) >= 3, "node-1 training", 60)
+    first = min(s for s, _ in lines(1))
+    assert first > max(s for s, w in lines(0) if w == 1)  # node-0's state, not a fresh start
 
 
 def test_an_elastic_scripts_crashed_process_starts_again_with_its_peers_state(

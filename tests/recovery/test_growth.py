@@ -102,3 +102,18 @@ def test_a_plan_with_nothing_rerouted_and_a_policy_that_does_not_grow_keep_the_p
     decision = grow(state, failure, policies=["flashrecovery", "rerouting", "dynamic"])
     assert [c.policy for c in decision.candidates] == [KEEP]
     assert decision.chosen == 0
+
+
+def test_a_node_back_of_two_lost_grows_the_job_by_the_one_replica_it_can_hold() -> None:
+    base = grid_state(pp=1, dp=3, micro_batches=2, failure_rate=1e-6)
+    plan = reroute(base.plan, frozenset({1, 2}))  # replicas 1 and 2 on replica 0
+    assert not isinstance(plan, str)
+    state = replace(base, plan=plan, failed=frozenset({2}))  # device 1 back, 2 still down
+    decision = grow(state, Failure(FailureKind.NODE_LOST, frozenset({1})),
+                    policies=["flashrecovery"])  # fmt: skip
+    keep, growth = decision.candidates
+    assert decision.chosen == 1 and growth.plan is not None
+    stages = [p.stages[0] for p in growth.plan.pipelines]
+    assert [(s.devices, s.rerouted) for s in stages] == [((0,), False), ((1,), False),
+                                                          ((0, 1), True)]  # fmt: skip
+    assert growth.est_step_time_s < keep.est_step_time_s

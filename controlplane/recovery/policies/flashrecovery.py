@@ -25,6 +25,7 @@ from controlplane.recovery.policies.replacement import (
     copy_time_s,
     replace_stages,
 )
+from controlplane.recovery.policies.rerouting import reroute
 from controlplane.recovery.policies.restart import reusable
 
 # FlashRecovery §6's measured costs: the in-place restart whatever the scale (Table III: 78-116 s,
@@ -125,11 +126,14 @@ def grow_flashrecovery(
 ) -> list[Candidate]:
     """A running job's rerouted stages given groups of their own again, from the spares (a
     lost node's devices back, a replacement node), each new device filled from a live replica:
-    the job grows back to its plan's width. Nothing failed, so nothing is detected; the
-    survivors leave the step they are in. No candidate when no stage is rerouted."""
-    rerouted = tuple((p, s) for p, s, stage in state.plan.stages() if stage.rerouted)
-    if not rerouted:
+    the job grows back towards its plan's width, as many stages (in plan order) as the spares
+    make whole groups for. Nothing failed, so nothing is detected; the survivors leave the
+    step they are in. No candidate when no stage is rerouted."""
+    every = tuple((p, s) for p, s, stage in state.plan.stages() if stage.rerouted)
+    if not every:
         return []
+    groups = len(state.spare_devices()) // state.plan.tp
+    rerouted = every[: max(groups, 1)]  # none: declined below, naming the shortage
     try:
         replacement = replace_stages(state, rerouted)
     except InfeasiblePlan as exc:
@@ -137,6 +141,11 @@ def grow_flashrecovery(
     unreplicated = _without_replica(policy, state, rerouted)
     if unreplicated is not None:
         return [unreplicated]
+    if len(rerouted) < len(every):
+        # the stages still rerouted borrow the grown replicas too
+        spread = reroute(replacement.plan, state.failed)
+        assert not isinstance(spread, str)  # every stage has a live replica: it did before
+        replacement = Replacement(plan=spread, groups=replacement.groups)
     return [
         _restored(
             policy,
