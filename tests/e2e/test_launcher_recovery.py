@@ -5,6 +5,7 @@ own checkpoint and the recovery ends ``recovered`` with every phase on its timel
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +369,11 @@ def test_an_elastic_job_grows_back_onto_a_replacement_node_restored_from_its_pee
     print(f"elastic growth onto a replacement: joined to recovered {grown_s:.1f} s")
 
 
+def steps_in_world(lines: Callable[[int], list[tuple[int, int]]], world: int) -> list[int]:
+    """Node 0's steps in a world of ``world``."""
+    return [s for s, n in lines(0) if n == world]
+
+
 def test_a_second_node_lost_before_the_replacement_and_the_replacement_grows_one_back(
     stack: Stack,
 ) -> None:
@@ -398,7 +404,8 @@ def test_a_second_node_lost_before_the_replacement_and_the_replacement_grows_one
         assert decision["status"] == "recovered", decision
         assert decision["candidates"][decision["chosen"]]["policy"] == "rerouting"
         decided.append(decision["id"])
-        stack.wait(lambda w=world: [s for s, n in lines(0) if n == w], f"a world of {world}", 30)
+        in_world = functools.partial(steps_in_world, lines, world)
+        stack.wait(in_world, f"a world of {world}", 30)
     (stack.tmp / "node-1.out").rename(stack.tmp / "node-1.before.out")
     launch(stack, 1, port, api_token=admin, job="elastic", elastic=True, nnodes="3")
     grown = stack.wait(
