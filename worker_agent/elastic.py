@@ -155,6 +155,7 @@ class DataParallel:
         self._watcher: AbortWatcher | None = None
         # this world's measurement: its generation, its steps so far, the hooks' profiler
         self._profile: tuple[str, int, StepProfiler] | None = None
+        self._unsent: StepProfiler | None = None  # measured, its profile sent at the next step
 
     def _attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Train ``model`` with ``optimizer``: join the first world and start it from one
@@ -345,6 +346,7 @@ class DataParallel:
     def _try_step(
         self, generation: Generation, loss_of: Callable[[int, int], torch.Tensor]
     ) -> float:
+        self._send_profile()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         passes = self._passes(generation.members)
@@ -406,10 +408,18 @@ class DataParallel:
         return profiler if 1 <= seen <= MEASURED_STEPS else None
 
     def _measured(self, generation: Generation, profiler: StepProfiler) -> None:
-        """After a measured step: the last one sends the profile (the job's scenario is made of
-        it), for this world."""
-        if self._profile is None or self._profile[1] != MEASURED_STEPS + 1:
+        """After a measured step: the last one's profile is sent (the job's scenario is made of
+        it), for this world, at the start of the next step (``_send_profile``)."""
+        if self._profile is not None and self._profile[1] == MEASURED_STEPS + 1:
+            self._unsent = profiler
+
+    def _send_profile(self) -> None:
+        """The measured profile to the agent, before the step's passes: the work only this rank
+        does falls before the step's sync, where its peers wait for it in the same step (after
+        the sync, it would lengthen this rank's step alone, and make it look a straggler)."""
+        if self._unsent is None:
             return
+        profiler, self._unsent = self._unsent, None
         message = profiler.message(
             self.optimizer, micro_batches=self.micro_batches, time_scale=1 / self._group_size()
         )
