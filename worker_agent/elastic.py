@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from worker_agent import protocol
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
-from worker_agent.selfprofile import StepProfiler
+from worker_agent.selfprofile import StepProfiler, local_part, nbytes
 from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation, connect
 
 # A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
@@ -80,15 +80,6 @@ def share(members: Sequence[int], device: int, micro_batches: int) -> range:
     each, extra = divmod(micro_batches, len(ordered))
     first = rank * each + min(rank, extra)
     return range(first, first + each + (1 if rank < extra else 0))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its shard of a sharded (``DTensor``) one, else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _bytes(tensor: torch.Tensor) -> float:
-    return float(tensor.numel() * tensor.element_size())
 
 
 def _like(local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -255,9 +246,9 @@ class DataParallel:
         generation.guard(lambda: generation.all_reduce(generation.members, steps))
         furthest = int(steps.max())
         if int(steps.min()) == furthest:
-            flat = torch.cat([_local(p).detach().reshape(-1) for p in self.params])
+            flat = torch.cat([local_part(p).detach().reshape(-1) for p in self.params])
             generation.guard(lambda: generation.broadcast(flat, min(peers), peers))
-            self._unflatten(flat, [_local(p).data for p in self.params])
+            self._unflatten(flat, [local_part(p).data for p in self.params])
             return
         ahead = self._group_of(generation.members[int((steps == furthest).nonzero()[0])])
         source = next(d for d in peers if self._group_of(d) == ahead)
@@ -289,10 +280,10 @@ class DataParallel:
         """Model, optimizer state and step, a sharded tensor as this rank's shard of it."""
         optimizer = self.optimizer.state_dict()
         optimizer["state"] = {
-            index: {key: _local(value).clone() for key, value in values.items()}
+            index: {key: local_part(value).clone() for key, value in values.items()}
             for index, values in optimizer["state"].items()
         }
-        model = {name: _local(value).clone() for name, value in self.model.state_dict().items()}
+        model = {name: local_part(value).clone() for name, value in self.model.state_dict().items()}
         return {"model": model, "optimizer": optimizer, "step": self.step}
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -304,7 +295,7 @@ class DataParallel:
         optimizer["state"] = {
             index: {
                 key: _like(value, params[index])
-                if value.shape == _local(params[index]).shape
+                if value.shape == local_part(params[index]).shape
                 else value
                 for key, value in values.items()
             }
@@ -363,7 +354,9 @@ class DataParallel:
             if profiler is not None:
                 profiler.detach()
         grads = [
-            _local(p.grad) if p.grad is not None else _local(p).new_zeros(_local(p).shape)
+            local_part(p.grad)
+            if p.grad is not None
+            else local_part(p).new_zeros(local_part(p).shape)
             for p in self.params
         ]
         flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total])])
@@ -389,7 +382,7 @@ class DataParallel:
         self.optimizer.step()
         if profiler is not None:
             profiler.updates.append(time.perf_counter() - stepping)
-            profiler.syncs.append((_bytes(flat), synced - began, len(peers)))
+            profiler.syncs.append((nbytes(flat), synced - began, len(peers)))
             self._measured(generation, profiler)
         return float(loss[0])
 

@@ -40,11 +40,12 @@ def _top_level(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found or [("model", model)]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard of a sharded (``DTensor``) one, else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _bytes(tensor: torch.Tensor) -> float:
+def nbytes(tensor: torch.Tensor) -> float:
     return float(tensor.numel() * tensor.element_size())
 
 
@@ -93,7 +94,7 @@ class StepProfiler:
     def _before(self, index: int) -> Any:
         def hook(module: torch.nn.Module, _args: Any) -> None:
             # the parameters' storages count as seen (FSDP's pre-hook ran: gathered, if sharded)
-            seen = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+            seen = {local_part(p).untyped_storage().data_ptr() for p in module.parameters()}
             total = [0.0]
 
             def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ class StepProfiler:
             out = next(_tensors(output), None)
             if out is None:
                 return
-            self.outputs[index] = max(self.outputs[index], _bytes(out))
+            self.outputs[index] = max(self.outputs[index], nbytes(out))
             if out.requires_grad:
                 mark = lambda grad: self._marks.append((time.perf_counter(), index))  # noqa: E731
                 out.register_hook(mark)  # type: ignore[no-untyped-call]
@@ -142,7 +143,7 @@ class StepProfiler:
     def message(
         self, optimizer: torch.optim.Optimizer, *, micro_batches: int, time_scale: float = 1.0
     ) -> ProfileMessage:
-        sizes = [sum(_bytes(p) for p in m.parameters()) for _, m in self.modules]
+        sizes = [sum(nbytes(p) for p in m.parameters()) for _, m in self.modules]
         whole = sum(sizes) or 1.0
         update = statistics.median(self.updates) if self.updates else 0.0
 
@@ -153,7 +154,7 @@ class StepProfiler:
         for index, (name, module) in enumerate(self.modules):
             params = list(module.parameters())
             state = [
-                _bytes(value)
+                nbytes(value)
                 for p in params
                 for value in optimizer.state.get(p, {}).values()
                 if isinstance(value, torch.Tensor)
@@ -166,14 +167,14 @@ class StepProfiler:
                     "update_s": update * sizes[index] / whole,
                     "m_p": sizes[index],
                     "m_o": sum(state),
-                    "m_g": sum(_bytes(p) for p in params if p.requires_grad),
+                    "m_g": sum(nbytes(p) for p in params if p.requires_grad),
                     "m_a": median(self.saved[index]),
                 }
             )
         sync: dict[str, Any] = {}
         if self.syncs:
-            nbytes, seconds, members = min(self.syncs, key=lambda s: s[1])  # least waiting
-            sync = {"sync_bytes": nbytes, "sync_s": seconds, "sync_members": members}
+            size, seconds, members = min(self.syncs, key=lambda s: s[1])  # least waiting
+            sync = {"sync_bytes": size, "sync_s": seconds, "sync_members": members}
         boundary = max(self.outputs[:-1], default=0.0) or None
         return ProfileMessage(
             modules=modules, micro_batches=micro_batches, boundary_bytes=boundary, **sync
