@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 
@@ -36,6 +37,10 @@ def _arguments() -> argparse.Namespace:
     p.add_argument(
         "--digest", action="store_true", help="also print a digest of the weights each step"
     )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: the model on cuda:LOCAL_RANK, its collectives over nccl",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -53,13 +58,18 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)
     )
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    model.to(device)
     if args.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_of(step: int, index: int) -> torch.Tensor:
-        x, y = batch(step, index, args.samples)
+        x, y = (t.to(device) for t in batch(step, index, args.samples))
         return torch.nn.functional.mse_loss(model(x), y)
 
     run = elastic.DataParallel(model, optimizer, micro_batches=args.micro_batches)  # Pitstop
@@ -70,7 +80,7 @@ def main() -> None:
         line = f"rank {rank} step {run.step} loss {loss:.6f} world {len(run.members)}"
         sys.stdout.write(line + "\n")
         if args.digest:  # the weights' bytes: replicas hold the same ones, bit for bit
-            weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+            weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
             sys.stdout.write(
                 f"rank {rank} step {run.step} digest {hashlib.sha1(weights).hexdigest()}\n"
             )

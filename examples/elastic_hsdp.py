@@ -33,6 +33,10 @@ def _arguments() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="the hidden layers' width")
     p.add_argument("--samples", type=int, default=16, help="samples a micro-batch")
     p.add_argument("--step-s", type=float, default=0.0, help="sleep this long in each step")
+    p.add_argument(
+        "--accelerator", choices=("cpu", "cuda", "auto"), default="cpu",
+        help="the mesh's device: cpu (gloo), cuda (nccl), auto (CUDA when there is one)",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -53,7 +57,9 @@ def build(width: int = 64) -> torch.nn.Sequential:
 
 def main() -> None:
     args = _arguments()
-    run = elastic.HybridSharded(micro_batches=args.micro_batches, shard_size=args.shard_size)
+    run = elastic.HybridSharded(
+        micro_batches=args.micro_batches, shard_size=args.shard_size, accelerator=args.accelerator
+    )  # Pitstop: the replica group's process group and mesh
     model = build(args.width)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -63,7 +69,7 @@ def main() -> None:
     run.start(model, optimizer)  # Pitstop
 
     def loss_of(step: int, index: int) -> torch.Tensor:
-        x, y = batch(step, index, args.samples)
+        x, y = (t.to(run.mesh.device_type) for t in batch(step, index, args.samples))
         return torch.nn.functional.mse_loss(model(x), y)
 
     while run.step < args.steps:

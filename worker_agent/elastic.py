@@ -53,6 +53,7 @@ from worker_agent import protocol
 from worker_agent.link import CommandMessage, LinkError, TrainerLink
 from worker_agent.selfprofile import StepProfiler, local_part, nbytes
 from worker_agent.trainer.comm import POLL_S, Aborted, AbortWatcher, Generation, connect
+from worker_agent.trainer.device import CPU, Accelerator, select
 
 # A process that started itself again for a plan (``HybridSharded``) acknowledges the plan's
 # command, named here, once it has joined the plan's world.
@@ -153,6 +154,9 @@ class DataParallel:
         state (a process started again into a generation takes a live replica's)."""
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # where the model is, the collectives are: gloo on the CPU, nccl on CUDA, hccl on an NPU
+        on = local_part(self.params[0]).device if self.params else torch.device("cpu")
+        self.accelerator = CPU if on.type == "cpu" else Accelerator(on.type, on.index)
         try:
             self._enter(self._prefix, self._everyone)
         except Aborted as exc:  # a peer failed before the first step: wait for the plan around it
@@ -168,6 +172,11 @@ class DataParallel:
         if joined:  # started again by its own process for this plan (HybridSharded)
             self.link.done(joined, True)
         self.link.set_state("training")
+
+    @property
+    def _on(self) -> torch.device:
+        """The device of this rank's tensors (the model's)."""
+        return self.accelerator.torch_device
 
     # --- what DataParallel and HybridSharded do differently ---------------------------------
 
@@ -216,7 +225,10 @@ class DataParallel:
         store = connect(self._host, self._port)
         try:
             subsets = self._replicas(members)
-            generation = Generation(store, prefix, self.device, members, abort, subsets=subsets)
+            generation = Generation(
+                store, prefix, self.device, members, abort, subsets=subsets,
+                accelerator=self.accelerator,
+            )  # fmt: skip
         except Aborted:
             watcher.stop()
             raise
@@ -241,7 +253,7 @@ class DataParallel:
         generation = self.generation
         assert generation is not None
         peers = self._peers(generation.members)
-        steps = torch.zeros(len(generation.members), dtype=torch.int64)
+        steps = torch.zeros(len(generation.members), dtype=torch.int64, device=self._on)
         steps[generation.rank] = self.step + 1
         generation.guard(lambda: generation.all_reduce(generation.members, steps))
         furthest = int(steps.max())
@@ -266,14 +278,16 @@ class DataParallel:
             buffer = io.BytesIO()
             torch.save(self._state(), buffer)
             blob = buffer.getvalue()
-        size = torch.tensor([len(blob)], dtype=torch.int64)
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=self._on)
         generation.guard(lambda: generation.broadcast(size, source, peers))
         if blob:
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self._on)
         else:
-            data = torch.empty(int(size), dtype=torch.uint8)
+            data = torch.empty(int(size), dtype=torch.uint8, device=self._on)
         generation.guard(lambda: generation.broadcast(data, source, peers))
-        loaded: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        loaded: dict[str, Any] = torch.load(
+            io.BytesIO(data.cpu().numpy().tobytes()), map_location=self._on, weights_only=True
+        )
         return loaded
 
     def _state(self) -> dict[str, Any]:
@@ -359,7 +373,7 @@ class DataParallel:
             else local_part(p).new_zeros(local_part(p).shape)
             for p in self.params
         ]
-        flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total])])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), torch.tensor([total], device=self._on)])
         peers = self._peers(generation.members)
         began = time.perf_counter()
         try:
@@ -367,7 +381,7 @@ class DataParallel:
             synced = time.perf_counter()
             loss = flat[-1:]
             if peers != generation.members:  # the loss of every rank, not only the replicas
-                loss = torch.tensor([total])
+                loss = torch.tensor([total], device=self._on)
                 generation.guard(lambda: generation.all_reduce(generation.members, loss))
         except Aborted:
             self._agree(False)
@@ -547,11 +561,16 @@ class HybridSharded(DataParallel):
         shard_size: int,
         link: TrainerLink | None = None,
         timeout: timedelta = timedelta(seconds=30),
+        accelerator: str = "cpu",
     ) -> None:
         if shard_size < 1:
             raise ValueError("shard_size must be at least 1")
         self.shard_size = shard_size
         self._connect(micro_batches, link)
+        # the group's collectives' backend and the mesh's device (``auto``: CUDA, an NPU, else
+        # the CPU); the model is sharded onto it, and ``start`` finds it there
+        self.accelerator = select(accelerator, device=self.device, option="accelerator")
+        self.accelerator.activate()
         told = os.environ.get("PITSTOP_REPLICA_SIZE")
         if told and int(told) != shard_size:
             raise ValueError(
@@ -564,13 +583,13 @@ class HybridSharded(DataParallel):
         self._broken = False  # the group's collectives failed: this process starts again
         group, index = divmod(self.device, shard_size)
         dist.init_process_group(
-            "gloo",
+            self.accelerator.backend,
             store=dist.PrefixStore(f"{self._prefix}shard/{group}/", self.store),
             rank=index,
             world_size=shard_size,
             timeout=timeout,
         )
-        self.mesh = init_device_mesh("cpu", (shard_size,))
+        self.mesh = init_device_mesh(self.accelerator.kind, (shard_size,))
 
     def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Train ``model`` (``fully_shard``-ed on ``self.mesh``) with ``optimizer``."""
@@ -612,7 +631,7 @@ class HybridSharded(DataParallel):
         may complete where its group peer's failed (a peer died midway), and a group whose
         shards stood at different steps would have no state to restore from. A vote over the
         group's own collectives (which a dead group peer fails: then the group is broken)."""
-        vote = torch.tensor([1 if synced else 0])
+        vote = torch.tensor([1 if synced else 0], device=self._on)
         try:
             dist.all_reduce(vote, op=dist.ReduceOp.MIN)
         except RuntimeError:
@@ -629,7 +648,7 @@ class HybridSharded(DataParallel):
             super()._carry_out_waiting()
             return
         command = self.link.poll_command(0)
-        pending = torch.tensor([0 if command is None else 1])
+        pending = torch.tensor([0 if command is None else 1], device=self._on)
         try:
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)
         except RuntimeError:  # a group peer is gone: the generation is over, a plan will come
@@ -693,7 +712,7 @@ class HybridSharded(DataParallel):
         if self.shard_size == 1:
             return True
         try:
-            work = dist.all_reduce(torch.ones(1), async_op=True)
+            work = dist.all_reduce(torch.ones(1, device=self._on), async_op=True)
             deadline = time.monotonic() + patience
             while not work.is_completed():
                 if time.monotonic() > deadline:

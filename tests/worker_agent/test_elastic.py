@@ -30,6 +30,18 @@ SCRIPT = str(REPO_ROOT / "examples" / "elastic_ddp.py")
 LINE = re.compile(r"^rank (\d+) step (\d+) loss (\S+) world (\d+)$", re.M)
 DIGEST = re.compile(r"^rank \d+ step (\d+) digest (\w+)$", re.M)
 MICRO_BATCHES = 4
+CUDA_DEVICES = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_devices(n: int) -> pytest.MarkDecorator:
+    """Skipped unless this machine has ``n`` CUDA devices (an nccl rank needs one of its own)."""
+    return pytest.mark.skipif(
+        n > CUDA_DEVICES,
+        reason=f"{n} nccl ranks need {n} CUDA devices, this machine has {CUDA_DEVICES} "
+        f"(torch {torch.__version__})",
+    )
+
+
 TIMEOUT_S = 120.0
 
 
@@ -81,11 +93,16 @@ def test_every_micro_batch_is_computed_once_and_the_shares_differ_by_one_at_most
     assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_under_plain_torchrun_a_step_is_the_global_batchs_mean(optimizer: str) -> None:
+@pytest.mark.parametrize(
+    ("optimizer", "device"),
+    [("sgd", "cpu"), ("adamw", "cpu"), pytest.param("adamw", "cuda", marks=cuda_devices(2))],
+)
+def test_under_plain_torchrun_a_step_is_the_global_batchs_mean(optimizer: str, device: str) -> None:
+    """On CUDA the model is on cuda:LOCAL_RANK and the generation's collectives use nccl."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         SCRIPT, "--steps", "6", "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer],
+         SCRIPT, "--steps", "6", "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer,
+         "--device", device],
         env=clean_environment(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip

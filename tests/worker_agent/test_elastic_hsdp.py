@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.processes import REPO_ROOT, clean_environment, free_port
 from tests.worker_agent.helpers import ScriptedServer, launch_node, poll, ranks_of, terminate
-from tests.worker_agent.test_elastic import one_process
+from tests.worker_agent.test_elastic import cuda_devices, one_process
 from worker_agent.elastic import HybridSharded
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -75,18 +75,21 @@ def test_every_micro_batch_counts_once_and_a_groups_ranks_run_as_many_passes(
 
 
 @pytest.mark.parametrize(
-    ("example", "micro_batches"),
+    ("example", "micro_batches", "flags"),
     # the torchrun script deals 4 micro-batches to 4 ranks; Pitstop's also 6, which leaves a
     # rank of each group a pass of weight 0
-    [("torchrun_hsdp", 4), ("elastic_hsdp", 4), ("elastic_hsdp", 6)],
-)
+    [("torchrun_hsdp", 4, ()), ("elastic_hsdp", 4, ()), ("elastic_hsdp", 6, ()),
+     pytest.param("elastic_hsdp", 4, ("--accelerator", "cuda"), marks=cuda_devices(4))],
+)  # fmt: skip
 def test_under_plain_torchrun_a_step_is_the_global_batchs_mean(
-    example: str, micro_batches: int
+    example: str, micro_batches: int, flags: tuple[str, ...]
 ) -> None:
+    """``--accelerator cuda``: the groups' FSDP over nccl on a CUDA mesh, the generation's
+    collectives over nccl."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(EXAMPLES / f"{example}.py"), "--steps", "5", "--micro-batches", str(micro_batches),
-         "--shard-size", "2"],
+         "--shard-size", "2", *flags],
         env=clean_environment(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
