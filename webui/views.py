@@ -416,6 +416,11 @@ def what_if(request: HttpRequest, pk: int) -> HttpResponse:
     return page(request, "webui/what_if.html", context)
 
 
+def _listed(devices: list[int]) -> str:
+    """``device 3`` or ``devices 2, 3``."""
+    return f"device{'s' * (len(devices) != 1)} {', '.join(map(str, devices))}"
+
+
 def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
     kind = request.POST.get("kind", "crash")
     upload = request.FILES.get("scenario")
@@ -435,7 +440,8 @@ def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dic
             cluster, training = scenario["cluster"], scenario["training"]
             return {
                 "answer": answer,
-                "source": f"the uploaded scenario {upload.name}, devices {sorted(failed)}",
+                "source": f"{_listed(sorted(failed))} of the uploaded scenario {upload.name}"
+                f" failed ({kind})",
                 "capacity": _number(cluster.get("device_memory_bytes")),
                 "global_batch": _number(training.get("global_batch")),
             }, None
@@ -453,14 +459,14 @@ def _what_if(request: HttpRequest, job: Job) -> tuple[dict[str, Any] | None, dic
             except ValueError as exc:
                 return None, {"field": "devices", "message": str(exc)}
         answer = decisions.what_if(Job.objects.get(pk=job.pk), devices=devices, kind=kind)
-    except rows.RecoveryError as exc:
-        return None, {"field": exc.field or "devices", "message": str(exc)}
+    except rows.RecoveryError as exc:  # the field is shown apart: the message without it
+        return None, {"field": exc.field or "devices", "message": exc.message}
     facts = Job.objects.filter(pk=job.pk).values_list(
         KT("scenario__cluster__device_memory_bytes"), KT("scenario__training__global_batch")
     )[0]
     return {
         "answer": answer,
-        "source": f"{kind} of devices {devices}",
+        "source": f"{_listed(devices)} failed ({kind})",
         "capacity": _number(facts[0]),
         "global_batch": _number(facts[1]),
     }, None

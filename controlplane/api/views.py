@@ -278,15 +278,25 @@ class JobViewSet(
     def timeline(self, request: Request, pk: str | None = None) -> Response:
         """The job's timeline, oldest first; ``since``/``until`` filter, CSV exports it all."""
         job = self.get_object()
-        return _timeline_response(self, request, _events(request, job.timeline.all()))
+        events = _events(request, job.timeline.all())
+        return _timeline_response(self, request, events, name=f"job-{job.pk}-timeline")
 
 
 def _timeline_response(
-    view: viewsets.GenericViewSet, request: Request, events: QuerySet[TimelineEvent], **extra: Any
+    view: viewsets.GenericViewSet,
+    request: Request,
+    events: QuerySet[TimelineEvent],
+    *,
+    name: str,
+    **extra: Any,
 ) -> Response:
+    """The events as a page of JSON (with ``extra``), or all of them as CSV, downloaded as
+    ``name``.csv."""
     if request.accepted_renderer.format == "csv":
         rows = s.TimelineEventSerializer(events, many=True).data
-        return Response({"events": rows, **extra})
+        response = Response({"events": rows, **extra})
+        response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+        return response
     page = view.paginate_queryset(events)
     rows = s.TimelineEventSerializer(page if page is not None else events, many=True).data
     if page is None:
@@ -489,6 +499,7 @@ class RecoveryViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
             self,
             request,
             events,
+            name=f"recovery-{decision.pk}-timeline",
             phases=phases(decision, list(events)),
             step_at_failure=decision.failure.step,
             resumed_step=decision.resumed_step,

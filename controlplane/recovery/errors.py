@@ -12,6 +12,7 @@ class RecoveryError(Exception):
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field
+        self.message = message  # without the field, for callers that show it apart
         super().__init__(f"{field}: {message}" if field else message)
 
 

@@ -354,6 +354,8 @@ def test_the_recovery_timeline_breaks_down_into_phases_and_exports_as_csv() -> N
     assert phases["approve"] is not None and phases["transfer"] is None
     exported = client.get(url, {"format": "csv"})
     assert exported["Content-Type"].startswith("text/csv")
+    disposition = f'attachment; filename="recovery-{decision.pk}-timeline.csv"'
+    assert exported["Content-Disposition"] == disposition
     rows = list(csv.DictReader(io.StringIO(exported.content.decode())))
     assert [r["kind"] for r in rows] == kinds
     assert json.loads(rows[0]["payload"])["devices"] == [5]

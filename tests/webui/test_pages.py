@@ -313,17 +313,20 @@ def test_what_if_compares_the_policies_and_writes_nothing() -> None:
     response = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "4-5", "kind": "crash"})
     assert response.status_code == 200
     page = text(response)
-    assert "If crash of devices [4, 5] failed" in page and "✔ chosen" in page
+    assert "If devices 4, 5 failed (crash)" in page and "✔ chosen" in page
     assert "dynamic" in page and "checkpoint" in page and "rerouting" in page
     node = viewer.post(f"/jobs/{job.pk}/what-if/", {"node": "1", "kind": "node_lost"})
-    assert "devices [8, 9]" in text(node)
+    assert "If devices 8, 9 failed (node_lost)" in text(node)
     upload = copy.deepcopy(SCENARIO)
     upload["failed"] = [0]
     uploaded = viewer.post(
         f"/jobs/{job.pk}/what-if/",
         {"scenario": SimpleUploadedFile("s.json", json.dumps(upload).encode()), "kind": "crash"},
     )
-    assert uploaded.status_code == 200 and "uploaded scenario s.json" in text(uploaded)
+    assert (
+        uploaded.status_code == 200
+        and "If device 0 of the uploaded scenario s.json failed (crash)" in text(uploaded)
+    )
     assert rows_now(job) == before
 
 
@@ -333,6 +336,7 @@ def test_what_if_errors_are_shown_beside_the_field() -> None:
     response = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "99"})
     assert response.status_code == 200
     assert "<code>devices</code>" in text(response) and 'aria-invalid="true"' in text(response)
+    assert "devices: " not in text(response)  # the field named once, beside its message
     junk = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "a-b"})
     assert "not a device id" in text(junk)
 
@@ -478,3 +482,21 @@ def test_an_operators_drill_to_a_connected_node_is_sent_and_listed() -> None:
         f"/jobs/{job.pk}/")), re.S)  # fmt: skip
     assert row is not None and "hang 5 s" in row[1] and "node-0 device 3" in row[1]
     assert "<td>sent</td>" in row[1]
+
+
+def test_an_unknown_page_is_the_dashboards_own_not_found_page() -> None:
+    response = client_as("viewer").get("/recoveries/987654/")
+    assert response.status_code == 404
+    page = text(response)
+    assert "<h1>Not found</h1>" in page and "/recoveries/987654/" in page
+    assert 'href="/jobs/"' in page and "Log out" in page  # the dashboard's frame, still logged in
+
+
+def test_a_wrong_password_keeps_the_user_name_and_asks_for_the_password() -> None:
+    user("operator")
+    response = Client().post("/accounts/login/", {"username": "operator", "password": "wrong"})
+    page = text(response)
+    assert "Wrong user name or password." in page
+    assert 'name="username"' in page and 'value="operator"' in page
+    field = re.search(r'<input id="id_password"[^>]*>', page)
+    assert field is not None and "autofocus" in field[0]
