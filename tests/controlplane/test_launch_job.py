@@ -220,6 +220,8 @@ def test_a_job_running_rerouted_grows_back_onto_the_node_that_came_back() -> Non
     assert used == {0, 1}
     assert Device.objects.get(job=job, index=1).state == "healthy"
     assert applied.commands.count() == 2  # both nodes are told
+    page = client_as("viewer").get(f"/recoveries/{grows.pk}/").content.decode()
+    assert "Growing back" in page and "keep" in page and "flashrecovery" in page
 
 
 def test_a_growth_that_does_not_pay_for_itself_keeps_the_running_plan_and_applies_nothing() -> None:
