@@ -546,21 +546,29 @@ def node_came_back(
     failure, now with them: the job waits for a replacement as long as its surviving agents
     do. A job that runs on with stages rerouted, one of its policies able to grow it, decides
     whether to grow back onto them (``grows``: the core's ``grow``, the running plan kept
-    unless a growth beats it). The new decision, or None."""
+    unless a growth beats it); a growth still planning or proposed is superseded by one that
+    counts this node too, and one already chosen leaves its devices spares. The new decision,
+    or None."""
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
         decided = RecoveryDecision.objects.select_related("failure").filter(job=job)
-        if decided.filter(status__in=OPEN).exists():
+        growth = decided.filter(status__in=OPEN, grows=True).first()
+        if growth is None and decided.filter(status__in=OPEN).exists():
             return None
         used = plan_devices(job.plan)
         devices = Device.objects.filter(node_id=node_id, state=DeviceState.FAILED)
         back = sorted(devices.values_list("index", flat=True))
         devices.filter(index__in=used).update(state=DeviceState.HEALTHY)
         devices.exclude(index__in=used).update(state=DeviceState.SPARE)
+        unchosen = (DecisionStatus.PLANNING, DecisionStatus.PROPOSED)
+        if growth is not None and back and growth.status in unchosen:
+            # a growth not chosen yet was planned without this node: plan again, with it
+            transition(growth.pk, DecisionStatus.SUPERSEDED, actor="system")
+            growth = None
         latest = decided.order_by("-created_at", "-pk").first()
         log.info("node.came_back", job=job_id, node=node_id, devices=back)
-        if latest is None:
-            return None
+        if latest is None or growth is not None:
+            return None  # (a growth chosen and being applied: this node's devices are spares)
         name = Node.objects.values_list("name", flat=True).get(pk=node_id)
         why: dict[str, Any] = {"replans_after": latest.pk, "joined": name, "devices_back": back}
         if job.status == JobStatus.FAILED and latest.status == DecisionStatus.FAILED:

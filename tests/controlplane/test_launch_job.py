@@ -259,3 +259,46 @@ def test_a_job_whose_policies_cannot_grow_takes_the_node_back_as_a_spare_and_pla
     assert decisions.node_came_back(job.pk, node.pk) is None
     assert Device.objects.get(job=job, index=1).state == "spare"
     assert decisions.RecoveryDecision.objects.filter(job=job).count() == 1
+
+
+def test_a_second_node_back_while_a_growth_waits_for_approval_is_counted_in_a_new_one() -> None:
+    scenario = copy.deepcopy(SCENARIO)  # three replicas, a node each
+    third = copy.deepcopy(scenario["plan"]["pipelines"][1])
+    third["stages"][0]["devices"] = [2]
+    scenario["plan"]["pipelines"].append(third)
+    scenario["cluster"]["devices"] = 3
+    scenario["training"]["global_batch"] = 48
+    job, _ = create_job("ddp3", scenario, approval_mode="manual",
+                        enabled_policies=["rerouting", "flashrecovery"])  # fmt: skip
+    for node in Node.objects.filter(job=job):
+        lifecycle.joined(job_id=job.pk, node_id=node.pk)
+    nodes = {n.name: n for n in Node.objects.filter(job=job)}
+    Node.objects.filter(pk__in=[nodes["node-1"].pk, nodes["node-2"].pk]).update(
+        status=NodeStatus.FAILED
+    )
+    _, lost = decisions.record_failure(
+        job, kind="node_lost", devices=[1, 2], source=FailureSource.SOCKET,
+        occurred_at=timezone.now(),
+    )  # fmt: skip
+    decisions.plan(lost.pk)
+    rerouted = decisions.RecoveryDecision.objects.get(pk=lost.pk)
+    assert rerouted.status == DecisionStatus.PROPOSED and rerouted.chosen is not None
+    # (as if the operator approved the reroute and it recovered)
+    decisions.RecoveryDecision.objects.filter(pk=lost.pk).update(status=DecisionStatus.RECOVERED)
+    Job.objects.filter(pk=job.pk).update(
+        status=JobStatus.RUNNING, plan=rerouted.candidates[rerouted.chosen]["plan"]
+    )
+    lifecycle.joined(job_id=job.pk, node_id=nodes["node-1"].pk)
+    first = decisions.node_came_back(job.pk, nodes["node-1"].pk)
+    assert first is not None and decisions.plan(first.pk) == DecisionStatus.PROPOSED
+    # node-2 back while the operator has not chosen: the growth plans again, with both
+    lifecycle.joined(job_id=job.pk, node_id=nodes["node-2"].pk)
+    second = decisions.node_came_back(job.pk, nodes["node-2"].pk)
+    assert second is not None and second.grows and second.pk != first.pk
+    assert decisions.RecoveryDecision.objects.get(pk=first.pk).status == DecisionStatus.SUPERSEDED
+    assert decisions.plan(second.pk) == DecisionStatus.PROPOSED
+    growth = decisions.RecoveryDecision.objects.get(pk=second.pk).candidates[1]
+    used = {d for p in growth["plan"]["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert used == {0, 1, 2} and not any(
+        s.get("rerouted") for p in growth["plan"]["pipelines"] for s in p["stages"]
+    )
