@@ -265,6 +265,11 @@ SPECTACULAR_SETTINGS = {
 # What is public (docs/operations.md): a bearer token that /metrics requires (empty: none), and
 # whether the OpenAPI schema and its docs need a login with a role (default: public).
 PITSTOP_METRICS_TOKEN: str = env.str("PITSTOP_METRICS_TOKEN", default="")
+# Webhooks told when a decision needs someone (a proposal waiting for approval, a job no policy
+# can recover): JSON with a Slack-compatible ``text`` (controlplane/incidents/notifications.py);
+# comma-separated, none by default. PITSTOP_PUBLIC_URL makes the links in them absolute.
+PITSTOP_WEBHOOK_URLS: list[str] = env.list("PITSTOP_WEBHOOK_URLS", default=[])
+PITSTOP_PUBLIC_URL: str = env.str("PITSTOP_PUBLIC_URL", default="")
 PITSTOP_SCHEMA_LOGIN: bool = env.bool("PITSTOP_SCHEMA_LOGIN", default=False)
 # Login throttle: at most this many wrong passwords per user and address (four times as many per
 # address) in a window, counted in Redis so that every server process shares the count.

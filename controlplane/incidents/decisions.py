@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import PROCESS_FAULTS, FailureKind
-from controlplane.incidents import applying
+from controlplane.incidents import applying, notifications
 from controlplane.incidents.models import (
     OPEN,
     DecisionStatus,
@@ -274,8 +274,15 @@ def _latency(occurred_at: dt.datetime, detected_at: dt.datetime) -> float:
 # --- planning ------------------------------------------------------------------------------
 
 
-def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | None = None) -> str:
-    """Plan an open decision: every enabled policy's candidates, stored, then the job's mode.
+def plan(
+    decision_id: int,
+    *,
+    schedule_timeout: Callable[[int, float], None] | None = None,
+    notify: Callable[[int], None] | None = None,
+) -> str:
+    """Plan an open decision: every enabled policy's candidates, stored, then the job's mode;
+    ``notify`` sends a notification (its id) when the decision needs someone: a proposal that
+    waits for an operator, or no policy that can recover the job (``notifications``).
 
     Safe to run twice (a redelivered task): a decision no longer planning is left alone. The
     core runs outside the row lock; if a failure joined meanwhile, planning runs again with it.
@@ -304,12 +311,12 @@ def plan(decision_id: int, *, schedule_timeout: Callable[[int, float], None] | N
                 return locked.status
             if Failure.objects.get(pk=failure.pk).devices != seen:
                 continue  # more devices joined the failure while the core planned
-            status = _proposed(decision, answer, schedule_timeout)
+            status = _proposed(decision, answer, schedule_timeout, notify)
         if status == DecisionStatus.FAILED:
             # a lost node that joined again while this planned: plan again, with it
             again = _back_meanwhile(job)
             if again is not None:
-                return plan(again.pk, schedule_timeout=schedule_timeout)
+                return plan(again.pk, schedule_timeout=schedule_timeout, notify=notify)
         return status
     raise RuntimeError(f"decision {decision_id}: devices kept joining while planning")
 
@@ -318,6 +325,7 @@ def _proposed(
     decision: RecoveryDecision,
     answer: dict[str, Any],
     schedule_timeout: Callable[[int, float], None] | None,
+    notify: Callable[[int], None] | None,
 ) -> str:
     job = decision.job
     chosen = answer["chosen"]
@@ -340,6 +348,8 @@ def _proposed(
                    decision=answer, reason="no policy can recover the job with the devices it"
                    " has")  # fmt: skip
         Job.objects.filter(pk=job.pk).update(status=JobStatus.FAILED)
+        if notify is not None:
+            notifications.announce(reload(decision), notifications.FAILED, send=notify)
         return DecisionStatus.FAILED
     best_plan = answer["candidates"][chosen]["plan"]
     deadline = None
@@ -359,10 +369,17 @@ def _proposed(
         return apply_proposal(decision.pk, actor="auto").status
     if deadline is not None and schedule_timeout is not None:
         transaction.on_commit(lambda: schedule_timeout(decision.pk, job.approval_timeout_s))
+    if notify is not None:
+        notifications.announce(reload(decision), notifications.PROPOSED, send=notify)
     return DecisionStatus.PROPOSED
 
 
 # --- choosing ------------------------------------------------------------------------------
+
+
+def reload(decision: RecoveryDecision) -> RecoveryDecision:
+    """The decision as stored now, with its job and failure."""
+    return RecoveryDecision.objects.select_related("job", "failure").get(pk=decision.pk)
 
 
 def _chosen(decision_id: int, to: str, *, actor: str, **changes: Any) -> RecoveryDecision:

@@ -269,3 +269,29 @@ class TimelineEvent(models.Model):
 
     def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
         raise AppendOnly(f"timeline event {self.pk} is append-only")
+
+
+class Notification(models.Model):
+    """A decision that needs someone, announced to one webhook (``notifications``): one row a
+    decision, event and address, so it is delivered once however often its task runs."""
+
+    decision = models.ForeignKey(
+        RecoveryDecision, on_delete=models.CASCADE, related_name="notifications"
+    )
+    event = models.CharField(max_length=16, help_text="proposed (waits for an operator), failed")
+    url = models.URLField(max_length=2000)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("created_at", "pk")
+        constraints = (
+            models.UniqueConstraint(
+                fields=["decision", "event", "url"], name="one_notification_per_event_and_url"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"decision {self.decision_id} {self.event} → {self.url}"

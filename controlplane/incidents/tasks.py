@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import structlog
 from kombu.exceptions import OperationalError
@@ -23,7 +24,7 @@ from redis.exceptions import RedisError
 # The project's app, not shared_task's current one: a process that enqueues (the ASGI server,
 # the detector) may never have loaded it, and would publish to Celery's default broker.
 from controlplane.celery import app
-from controlplane.incidents import applying, decisions
+from controlplane.incidents import applying, decisions, notifications
 from controlplane.incidents.models import DecisionStatus, RecoveryDecision
 from controlplane.jobs import liveness
 
@@ -79,13 +80,40 @@ def planning_lease(decision_id: int) -> Iterator[None]:
 def plan_recovery(decision_id: int) -> str:
     """Plan a decision with the core; returns its status afterwards."""
     with planning_lease(decision_id):
-        return decisions.plan(decision_id, schedule_timeout=schedule_deadline)
+        return decisions.plan(
+            decision_id, schedule_timeout=schedule_deadline, notify=enqueue_notification
+        )
 
 
 @app.task(acks_late=True, reject_on_worker_lost=True, name="incidents.apply_after_deadline")
 def apply_after_deadline(decision_id: int) -> str:
     """``manual_with_timeout``: apply the proposal once its deadline has passed."""
     return decisions.apply_after_deadline(decision_id)
+
+
+# A webhook that keeps failing is tried this many times more, waiting 1, 2, 4 ... 60 s between.
+NOTIFY_RETRIES = 10
+
+
+@app.task(
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="incidents.notify",
+    max_retries=NOTIFY_RETRIES,
+)
+def notify(self: Any, notification_id: int) -> bool:
+    """Deliver a notification to its webhook, again later while the receiver fails."""
+    if notifications.deliver(notification_id):
+        return True
+    raise self.retry(countdown=min(2**self.request.retries, 60))
+
+
+def enqueue_notification(notification_id: int) -> None:
+    try:
+        notify.delay(notification_id)
+    except (OperationalError, RedisError, OSError) as exc:
+        log.warning("notification.enqueue_failed", notification=notification_id, error=str(exc))
 
 
 def schedule_deadline(decision_id: int, delay_s: float) -> None:
