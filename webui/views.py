@@ -274,6 +274,32 @@ def recovery_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return page(request, "webui/recovery.html", recovery_context(_recovery(pk)))
 
 
+# The proposals listed by ``attention`` (the count is of all of them).
+ATTENTION_LISTED = 20
+
+
+@needs(Role.VIEWER)
+def attention(request: HttpRequest) -> HttpResponse:
+    """The proposals waiting for an operator, newest first: their count, and for the newest
+    their id, job and deadline (every page's title counts them; attention.js)."""
+    waiting = RecoveryDecision.objects.filter(status=DecisionStatus.PROPOSED)
+    listed = waiting.order_by("-created_at", "-pk").values("pk", "job__name", "deadline_at")
+    return JsonResponse(
+        {
+            "count": waiting.count(),
+            "waiting": [
+                {
+                    "id": d["pk"],
+                    "job": d["job__name"],
+                    "deadline_at": d["deadline_at"].isoformat() if d["deadline_at"] else None,
+                    "url": reverse("webui:recovery", args=[d["pk"]]),
+                }
+                for d in listed[:ATTENTION_LISTED]
+            ],
+        }
+    )
+
+
 @needs(Role.VIEWER)
 def recovery_proposal(request: HttpRequest, pk: int) -> HttpResponse:
     """The proposed plan as JSON, for the override editor of a plan too large to inline."""

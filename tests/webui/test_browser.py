@@ -211,6 +211,17 @@ def test_a_viewer_sees_no_button_and_the_server_refuses_anyway(site: Site) -> No
     viv.close()
 
 
+def test_every_page_counts_the_proposals_waiting_in_its_title(site: Site) -> None:
+    """Both manual jobs' proposals wait (the approve and override tests take them later): the
+    tab's title says so on any page, and the header offers the browser's notifications."""
+    ops = Browser(site, "ops")
+    ops.go(f"/jobs/{site.made['live']}/")
+    ops.page.wait_for_function("() => document.title.startsWith('(2) ')", timeout=15_000)
+    assert ops.page.title() == "(2) live · Pitstop"
+    assert ops.page.is_visible("#notify-me")  # the browser has not been asked yet
+    ops.close()
+
+
 def test_an_operator_approves_a_manual_jobs_decision(site: Site) -> None:
     ops = Browser(site, "ops")
     decision = site.made["approve-me"]

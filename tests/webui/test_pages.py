@@ -500,3 +500,19 @@ def test_a_wrong_password_keeps_the_user_name_and_asks_for_the_password() -> Non
     assert 'name="username"' in page and 'value="operator"' in page
     field = re.search(r'<input id="id_password"[^>]*>', page)
     assert field is not None and "autofocus" in field[0]
+
+
+def test_the_proposals_waiting_are_counted_for_every_page_and_their_deadline_shown() -> None:
+    waiting = proposed("manual_with_timeout")
+    proposed("auto")  # applied at once: nobody is waited for
+    viewer = client_as("viewer")
+    body = viewer.get("/attention/").json()
+    assert body["count"] == 1
+    (shown,) = body["waiting"]
+    assert (shown["id"], shown["url"]) == (waiting.pk, f"/recoveries/{waiting.pk}/")
+    assert shown["deadline_at"] == waiting.deadline_at.isoformat()
+    page = text(viewer.get(f"/recoveries/{waiting.pk}/"))
+    assert f'data-deadline="{waiting.deadline_at.isoformat()}"' in page
+    assert 'data-attention="/attention/"' in page and "webui/attention.js" in page
+    assert Client().get("/attention/").status_code == 302  # to the login
+    assert client_as(None).get("/attention/").status_code == 403
