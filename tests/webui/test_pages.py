@@ -510,6 +510,7 @@ def test_the_proposals_waiting_are_counted_for_every_page_and_their_deadline_sho
     assert body["count"] == 1
     (shown,) = body["waiting"]
     assert (shown["id"], shown["url"]) == (waiting.pk, f"/recoveries/{waiting.pk}/")
+    assert waiting.deadline_at is not None
     assert shown["deadline_at"] == waiting.deadline_at.isoformat()
     page = text(viewer.get(f"/recoveries/{waiting.pk}/"))
     assert f'data-deadline="{waiting.deadline_at.isoformat()}"' in page
