@@ -7,6 +7,7 @@ Every function here reads; the pages' actions go through the apps' services
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 from django.db.models import (
@@ -22,6 +23,7 @@ from django.db.models import (
 )
 from django.db.models.fields.json import KT
 
+from controlplane.bridge.vocabulary import MEANINGS
 from controlplane.incidents.models import OPEN, DecisionStatus, RecoveryDecision
 from controlplane.jobs import lifecycle
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
@@ -170,8 +172,13 @@ def candidate_rows(
         for c in candidates
     ]
     fastest = max((r for r in rates if r is not None), default=None)
+    first_with: dict[str, int] = {}  # a plan (as JSON) -> the first feasible candidate with it
     rows = []
     for i, (c, rate) in enumerate(zip(candidates, rates, strict=True)):
+        same_as = None
+        if c["code"] == "ok" and c.get("plan") is not None:
+            same_as = first_with.setdefault(json.dumps(c["plan"], sort_keys=True), i)
+            same_as = None if same_as == i else same_as
         memory = c.get("peak_memory_bytes") or {}
         device, peak = max(memory.items(), key=lambda kv: kv[1], default=(None, None))
         rows.append(
@@ -181,6 +188,7 @@ def candidate_rows(
                 "option": c.get("option"),
                 "ok": c["code"] == "ok",
                 "code": c["code"],
+                "meaning": MEANINGS.get(c["code"], ""),
                 "note": c.get("note", ""),
                 "caveats": c.get("caveats", []),
                 "step_time_s": c.get("est_step_time_s"),
@@ -194,6 +202,9 @@ def candidate_rows(
                 "objective": c.get("objective"),
                 "chosen": i == chosen,
                 "proposed": i == answer.get("chosen"),
+                # the same plan as an earlier candidate: choosing one or the other is the same
+                "same_as": same_as,
+                "same_as_policy": None if same_as is None else candidates[same_as]["policy"],
             }
         )
     return rows

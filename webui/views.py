@@ -230,10 +230,23 @@ def _proposal(decision: RecoveryDecision) -> Any:
     return decision.plan
 
 
+# A decision whose plan someone (or the job's mode) chose: before, its best is only proposed.
+DECIDED = frozenset(
+    {
+        DecisionStatus.APPROVED,
+        DecisionStatus.OVERRIDDEN,
+        DecisionStatus.AUTO_APPLIED,
+        DecisionStatus.APPLYING,
+        DecisionStatus.RECOVERED,
+        DecisionStatus.FAILED,
+    }
+)
+
+
 def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
     candidates = data.candidate_rows(
         decision.decision,
-        chosen=decision.chosen,
+        chosen=decision.chosen if decision.status in DECIDED else None,
         capacity=_number(getattr(decision, "capacity", None)),
         global_batch=_number(getattr(decision, "global_batch", None)),
     )
@@ -254,6 +267,7 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
         "job": decision.job,
         "failure": decision.failure,
         "candidates": candidates,
+        "proposal": next((c for c in candidates if c["proposed"]), None),
         "why": data.why(candidates, decision),
         "events": events,
         "phases": shown,
@@ -434,7 +448,7 @@ def what_if(request: HttpRequest, pk: int) -> HttpResponse:
             context["source"] = answer["source"]
             context["candidates"] = data.candidate_rows(
                 answer["answer"],
-                chosen=answer["answer"]["chosen"],
+                chosen=None,  # on paper: the best is what would be proposed
                 capacity=answer["capacity"],
                 global_batch=answer["global_batch"],
             )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from controlplane.recovery import policies
 from controlplane.recovery.causes import COLOURS, Cause
-from controlplane.recovery.codes import Code, Option
+from controlplane.recovery.codes import MEANINGS, Code, Option
 from controlplane.recovery.model import FailureKind
 from controlplane.recovery.policies.restart import PROCESS_FAULTS
 
 __all__ = [
     "COLOURS",
+    "MEANINGS",
     "PROCESS_FAULTS",
     "Cause",
     "Code",

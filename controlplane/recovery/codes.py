@@ -56,6 +56,50 @@ class Code(StrEnum):
     TOO_FEW_REPLICAS = "too_few_replicas"
 
 
+# What each code means, for people (docs/scenario.md's table, which a test holds equal).
+MEANINGS: dict[Code, str] = {
+    Code.OK: "the plan applies",
+    Code.OUT_OF_MEMORY: "some device would need more memory than it has (the plan is still shown)",
+    Code.NO_DEVICE_GROUP: "no healthy device group of the tensor-parallel width is left",
+    Code.NO_FITTING_PLAN: (
+        "no plan of the policy's shape over the survivors fits memory and the batch"
+    ),
+    Code.TOO_FEW_NODES: "fewer healthy nodes than the policy's smallest pipeline needs (Oobleck)",
+    Code.NO_LIVE_REPLICA: (
+        "some layers lost every live data-parallel replica: nothing to reroute to or copy from"
+    ),
+    Code.UNTRUSTED_STATE: (
+        "a NaN fault may have spread to every replica (FlashRecovery §5): restore from a checkpoint"
+    ),
+    Code.NO_SPARE: "the policy replaces lost devices with spares, and too few are healthy",
+    Code.NO_LINK: (
+        "a copy the recovery needs has no usable link (the scenario gives no bandwidth for it)"
+    ),
+    Code.ADJACENT_STAGES_LOST: (
+        "two lost stages are neighbours, so neither can be rebuilt from (CheckFree) or shadowed "
+        "by (Bamboo) the other"
+    ),
+    Code.EDGE_STAGE: "CheckFree lost a first or last stage, which has only one neighbour",
+    Code.TOO_FEW_STAGES: "CheckFree+'s swap pairs overlap: the pipeline has too few stages",
+    Code.SHAPE_MISMATCH: (
+        "neighbouring stages have different parameter layouts, so averaging them is undefined"
+    ),
+    Code.STAGE_HAS_REPLICA: (
+        "CheckFree: the lost stage still has a live replica, to copy exactly instead"
+    ),
+    Code.DOMINATED: (
+        "a re-plan not placed, because another option's objective beats the best it could reach"
+    ),
+    Code.NO_OPTION: (
+        "none of an adaptive policy's options applies; the note gives each option's code"
+    ),
+    Code.TOO_FEW_REPLICAS: (
+        "restart_shrink: the smaller world would keep fewer replicas than the job's min_replicas "
+        "(torchrun's --nnodes MIN)"
+    ),
+}
+
+
 class Option(StrEnum):
     """Which of its options an adaptive policy (odyssey, pitstop) chose; empty for the others."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from controlplane.recovery.codec import (
     state_to_dict,
     validate_plan,
 )
+from controlplane.recovery.codes import MEANINGS, Code
 from controlplane.recovery.decision import decide
 from controlplane.recovery.errors import InvalidScenario
 from controlplane.recovery.model import (
@@ -190,3 +193,14 @@ def test_an_edit_over_memory_names_the_stage() -> None:
     with pytest.raises(InvalidScenario) as error:
         validate_plan(plan_to_dict(tight.plan), tight)
     assert error.value.field == "plan.pipelines[0].stages[0]"
+
+
+def test_every_code_has_the_meaning_the_docs_give_it() -> None:
+    """docs/scenario.md's table of codes and ``codes.MEANINGS`` (the dashboard's explanations)
+    say the same, for every code."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "scenario.md").read_text()
+    table = docs[docs.index("### Candidate codes") :]
+    documented = {
+        c: m.replace("`", "") for c, m in re.findall(r"^\| `(\w+)` \| (.+) \|$", table, re.M)
+    }
+    assert documented == {code.value: MEANINGS[code] for code in Code}

@@ -14,11 +14,14 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
+from django.utils import timezone
 
+from controlplane.incidents import decisions
 from controlplane.incidents.models import (
     DecisionStatus,
     Drill,
     Failure,
+    FailureSource,
     RecoveryDecision,
     TimelineEvent,
 )
@@ -194,7 +197,9 @@ def test_a_viewer_sees_the_candidates_but_no_button_and_cannot_approve() -> None
     decision = proposed("manual")
     viewer = client_as("viewer")
     page = text(viewer.get(f"/recoveries/{decision.pk}/"))
-    assert "odyssey" in page and "checkpoint" in page and "✔ chosen" in page
+    assert "odyssey" in page and "checkpoint" in page
+    # nobody chose yet: the best is proposed, not chosen
+    assert '<span class="mark">proposed</span>' in page and "✔ chosen" not in page
     assert "% of the fastest" in page and " / 59.6\xa0GB" in page  # throughput, capacity
     assert 'id="approve"' not in page and 'id="override"' not in page
     assert "needs the operator role" in page
@@ -313,7 +318,7 @@ def test_what_if_compares_the_policies_and_writes_nothing() -> None:
     response = viewer.post(f"/jobs/{job.pk}/what-if/", {"devices": "4-5", "kind": "crash"})
     assert response.status_code == 200
     page = text(response)
-    assert "If devices 4, 5 failed (crash)" in page and "✔ chosen" in page
+    assert "If devices 4, 5 failed (crash)" in page and '<span class="mark">proposed</span>' in page
     assert "dynamic" in page and "checkpoint" in page and "rerouting" in page
     node = viewer.post(f"/jobs/{job.pk}/what-if/", {"node": "1", "kind": "node_lost"})
     assert "If devices 8, 9 failed (node_lost)" in text(node)
@@ -517,3 +522,31 @@ def test_the_proposals_waiting_are_counted_for_every_page_and_their_deadline_sho
     assert 'data-attention="/attention/"' in page and "webui/attention.js" in page
     assert Client().get("/attention/").status_code == 302  # to the login
     assert client_as(None).get("/attention/").status_code == 403
+
+
+def test_the_recovery_page_says_what_approve_applies_groups_equal_plans_and_explains_codes() -> (
+    None
+):
+    job, _ = create_job(
+        "same", copy.deepcopy(SCENARIO), approval_mode="manual",
+        enabled_policies=["dynamic", "odyssey", "checkpoint"],
+    )  # fmt: skip
+    _, decision = decisions.record_failure(
+        job, kind="crash", devices=[5], source=FailureSource.AGENT, occurred_at=timezone.now()
+    )
+    decisions.plan(decision.pk)
+    stored = RecoveryDecision.objects.get(pk=decision.pk)
+    candidates = stored.candidates
+    page = text(client_as("operator").get(f"/recoveries/{decision.pk}/"))
+    assert stored.chosen is not None
+    best = candidates[stored.chosen]
+    assert f"Approve: apply #{stored.chosen} ({best['policy']}" in page
+    plans = [
+        json.dumps(c["plan"], sort_keys=True) if c["code"] == "ok" else None for c in candidates
+    ]
+    repeats = [(i, plans.index(p)) for i, p in enumerate(plans) if p and plans.index(p) < i]
+    assert repeats, "dynamic and odyssey's re-plan propose the same plan here"
+    for _, first in repeats:
+        assert f"same plan as #{first} ({candidates[first]['policy']})" in page
+    assert page.count("same plan as #") == len(repeats)
+    assert 'title="the plan applies">ok</code>' in page  # every code explained where it shows
