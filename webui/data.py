@@ -137,6 +137,8 @@ def plan_rows(plan: Any, limit: int = 64) -> dict[str, Any]:
         for pipeline in pipelines[:limit]
     ]
     width = max((len(r["stages"]) for r in rows), default=0)
+    for row in rows:  # a shorter pipeline's row ends in empty cells, so the columns line up
+        row["pad"] = range(width - len(row["stages"]))
     return {
         "rows": rows,
         "width": range(width),

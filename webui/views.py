@@ -453,6 +453,10 @@ def what_if(request: HttpRequest, pk: int) -> HttpResponse:
                 global_batch=answer["global_batch"],
             )
             context["why"] = data.why(context["candidates"])
+            best = answer["answer"]["chosen"]
+            if best is not None:
+                context["plan"] = data.plan_rows(answer["answer"]["candidates"][best]["plan"])
+                context["proposed_policy"] = answer["answer"]["candidates"][best]["policy"]
     return page(request, "webui/what_if.html", context)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Group, User
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.template.loader import render_to_string
 from django.test import Client
 from django.utils import timezone
 
@@ -30,6 +31,7 @@ from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus
 from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
 from tests.controlplane.test_api import SCENARIO, client_as, proposed, user
+from webui import data
 from webui import views as webui_views
 
 pytestmark = pytest.mark.django_db
@@ -320,6 +322,7 @@ def test_what_if_compares_the_policies_and_writes_nothing() -> None:
     page = text(response)
     assert "If devices 4, 5 failed (crash)" in page and '<span class="mark">proposed</span>' in page
     assert "dynamic" in page and "checkpoint" in page and "rerouting" in page
+    assert "The plan" in page and "would apply" in page and '<table class="plan">' in page
     node = viewer.post(f"/jobs/{job.pk}/what-if/", {"node": "1", "kind": "node_lost"})
     assert "If devices 8, 9 failed (node_lost)" in text(node)
     upload = copy.deepcopy(SCENARIO)
@@ -550,3 +553,20 @@ def test_the_recovery_page_says_what_approve_applies_groups_equal_plans_and_expl
         assert f"same plan as #{first} ({candidates[first]['policy']})" in page
     assert page.count("same plan as #") == len(repeats)
     assert 'title="the plan applies">ok</code>' in page  # every code explained where it shows
+
+
+def test_a_plan_of_pipelines_with_different_stage_counts_keeps_its_columns() -> None:
+    plan = {
+        "pipelines": [
+            {"stages": [{"devices": [0], "layers": [0, 2]}, {"devices": [1], "layers": [2, 4]},
+                        {"devices": [2], "layers": [4, 6]}, {"devices": [3], "layers": [6, 8]}],
+             "micro_batches": 4},
+            {"stages": [{"devices": [4], "layers": [0, 3]}, {"devices": [5], "layers": [3, 5]},
+                        {"devices": [6], "layers": [5, 8]}], "micro_batches": 7},
+        ]
+    }  # fmt: skip
+    html = render_to_string("webui/_plan.html", {"plan": data.plan_rows(plan)})
+    rows = re.findall(r"<tr><th scope=\"row\">.*?</tr>", html, re.S)
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows]
+    assert [len(c) for c in cells] == [5, 5]  # four stage columns and the micro-batches
+    assert cells[1][3] == "" and cells[1][4] == "7" and cells[0][4] == "4"
