@@ -116,30 +116,74 @@
   const series = { t: [], loss: [], rate: [], time: [] };
   const markers = config.markers.slice();
   const charts = [
-    ["chart-loss", "loss", "Loss", ""],
+    ["chart-loss", "loss", "Loss", "loss"],
     ["chart-rate", "rate", "Throughput", "samples/s"],
     ["chart-time", "time", "Step time", "s"],
   ];
+  const REDRAW_MS = 1000; // the charts redraw at most once a second, and not while hidden
+  let plotted = 0, pending = null, stale = false;
+
+  function shown() {
+    const first = series.t[0];
+    return markers.filter((m) => !first || new Date(m.at) >= new Date(first));
+  }
 
   function markerShapes() {
-    const first = series.t[0];
-    return markers.filter((m) => !first || new Date(m.at) >= new Date(first)).map((m) => ({
+    return shown().map((m) => ({
       type: "line", xref: "x", yref: "paper", x0: m.at, x1: m.at, y0: 0, y1: 1,
       line: { color: "#e15759", width: 1.5, dash: "dot" },
     }));
   }
 
+  // each recovery marker labelled (#5 crash), the label its recovery's link
+  function markerLabels() {
+    return shown().map((m) => ({
+      x: m.at, xref: "x", y: 1, yref: "paper", yanchor: "bottom", showarrow: false,
+      text: m.decision ? `<a href="${config.recovery_url.replace("/0/", `/${m.decision}/`)}">${m.label}</a>` : m.label,
+      font: { size: 10, color: "#b03a3c" },
+    }));
+  }
+
+  // a flat series gets a range around its value, an empty one says so, rather than autoscale
+  function yaxis(values, unit) {
+    const axis = { title: { text: unit } };
+    const known = values.filter((v) => v !== null && v !== undefined);
+    if (known.length) {
+      const low = Math.min(...known), high = Math.max(...known);
+      if (high - low < 1e-12) {
+        const pad = Math.abs(low) * 0.1 || 1;
+        axis.range = [low - pad, high + pad];
+      }
+    }
+    return axis;
+  }
+
   function plot() {
     if (!window.Plotly) return;
-    const shapes = markerShapes();
+    const shapes = markerShapes(), labels = markerLabels();
     for (const [id, key, title, unit] of charts) {
+      const empty = !series[key].some((v) => v !== null && v !== undefined);
+      const note = empty ? [{ text: "no data yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false, font: { color: "#7a8599" } }] : [];
       // copies: Plotly.react redraws only arrays it has not seen
       Plotly.react(id, [{ x: series.t.slice(), y: series[key].slice(), mode: "lines", line: { color: "#2457c5" }, name: title }], {
         title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
-        xaxis: { type: "date" }, yaxis: { title: { text: unit } }, shapes, showlegend: false,
+        xaxis: { type: "date", visible: !empty }, yaxis: { ...yaxis(series[key], unit), visible: !empty },
+        shapes, annotations: [...labels, ...note], showlegend: false,
       }, { displayModeBar: false, responsive: true });
     }
+    plotted = Date.now();
+    stale = false;
   }
+
+  // at most once a second; while the tab is hidden only marked, and drawn when it shows
+  function replot() {
+    if (document.hidden) { stale = true; return; }
+    if (pending !== null) return;
+    const wait = plotted + REDRAW_MS - Date.now();
+    if (wait <= 0) { plot(); return; }
+    pending = setTimeout(() => { pending = null; replot(); }, wait);
+  }
+  document.addEventListener("visibilitychange", () => { if (!document.hidden && stale) replot(); });
 
   function text(id, value, digits, unit) {
     document.getElementById(id).textContent = value === null || value === undefined ? "—" : `${Number(value).toFixed(digits)}${unit}`;
@@ -159,7 +203,7 @@
       series.rate.push(m.samples_per_s);
       series.time.push(m.step_time_s);
       for (const key in series) if (series[key].length > HISTORY) series[key].shift();
-      plot();
+      replot();
     }
     draw();
   }
@@ -185,7 +229,7 @@
       banner.append(a, ` is ${d.status}${d.status === "proposed" ? ": it needs approval" : ""} (${d.kind}).`);
     }
     draw();
-    plot();
+    replot();
   }
 
   function connect() {
