@@ -288,6 +288,18 @@ def recovery_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return page(request, "webui/recovery.html", recovery_context(_recovery(pk)))
 
 
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """Where the JSON breaks, for a textarea without line numbers: the line's own text and
+    the column, beside the parser's words."""
+    line = exc.doc.splitlines()[exc.lineno - 1] if exc.doc.strip() else ""
+    where = f"line {exc.lineno}, column {exc.colno}"
+    if not line.strip():
+        return f"not JSON: {exc.msg} ({where})"
+    shown = line.strip()
+    shown = shown if len(shown) <= 80 else shown[:77] + "…"
+    return f"not JSON: {exc.msg} at {where}: {shown}"
+
+
 # The proposals listed by ``attention`` (the count is of all of them).
 ATTENTION_LISTED = 20
 
@@ -371,7 +383,7 @@ def recovery_override(request: HttpRequest, pk: int) -> HttpResponse:
         try:
             edited = json.loads(given.get("plan", ""))
         except json.JSONDecodeError as exc:
-            error = {"field": "plan", "message": f"not JSON: {exc}", "code": "invalid_json"}
+            error = {"field": "plan", "message": _json_error(exc), "code": "invalid_json"}
     elif given.get("candidate", "").isdigit():
         candidate = int(given["candidate"])
     else:

@@ -247,6 +247,12 @@ def test_a_rejected_edited_plan_shows_the_cores_error_beside_the_field() -> None
     assert RecoveryDecision.objects.get(pk=decision.pk).status == DecisionStatus.PROPOSED
     bad = operator.post(f"/recoveries/{decision.pk}/override/", {"use": "plan", "plan": "{"})
     assert bad.status_code == 200 and "not JSON" in text(bad)
+    # the line where it breaks is quoted: the editor has no line numbers
+    typo = '{\n "pipelines": [\n  {"stages": [], "micro_batches": 2,}\n ]\n}'
+    said = text(
+        operator.post(f"/recoveries/{decision.pk}/override/", {"use": "plan", "plan": typo})
+    )
+    assert "at line 3, column 37: {&quot;stages&quot;: [], &quot;micro_batches&quot;: 2,}" in said
 
 
 def test_an_operator_overrides_with_another_candidate_or_an_edited_plan() -> None:
