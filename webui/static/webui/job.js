@@ -74,6 +74,7 @@
           ctx.lineWidth = 1;
           ctx.strokeRect(x0 + k * cell + 0.5, y0 + 0.5, cell - gap - 1, cell - gap - 1);
         }
+        mark(ctx, state, x0 + k * cell, y0, cell - gap);
       }
     });
     if (document.activeElement === canvas && stored.length) {
@@ -85,6 +86,29 @@
     for (const letter in counts) {
       const shown = document.querySelector(`[data-count="${NAMES[letter]}"]`);
       if (shown) shown.textContent = counts[letter];
+    }
+  }
+
+  // A shape on top of the colour, so that no state is told by red against green alone:
+  // failed ✕, suspect a slash, recovering a dot (cells too small for one keep the colour).
+  function mark(ctx, state, x, y, size) {
+    if (size < 8 || !"fsr".includes(state)) return;
+    const m = Math.max(2, Math.round(size / 4));
+    ctx.strokeStyle = "#ffffff";
+    ctx.fillStyle = "#ffffff";
+    ctx.lineWidth = Math.max(1.5, size / 10);
+    ctx.beginPath();
+    if (state === "f") {
+      ctx.moveTo(x + m, y + m); ctx.lineTo(x + size - m, y + size - m);
+      ctx.moveTo(x + size - m, y + m); ctx.lineTo(x + m, y + size - m);
+      ctx.stroke();
+    } else if (state === "s") {
+      ctx.strokeStyle = "#1d2330";
+      ctx.moveTo(x + m, y + size - m); ctx.lineTo(x + size - m, y + m);
+      ctx.stroke();
+    } else {
+      ctx.arc(x + size / 2, y + size / 2, Math.max(1.5, size / 6), 0, 2 * Math.PI);
+      ctx.fill();
     }
   }
 
