@@ -121,9 +121,13 @@ def agent(stack: Stack, token: str, node: int, scenario: Path) -> subprocess.Pop
 class Browser:
     """One logged-in user's page, which fails the test on any console error."""
 
-    def __init__(self, site: Site, user: str, width: int = 1280, height: int = 800) -> None:
+    def __init__(
+        self, site: Site, user: str, width: int = 1280, height: int = 800, scheme: str = "light"
+    ) -> None:
         self.site = site
-        self.context = site.browser.new_context(viewport={"width": width, "height": height})
+        self.context = site.browser.new_context(
+            viewport={"width": width, "height": height}, color_scheme=scheme
+        )
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.page.on("console", self.console)
@@ -347,3 +351,19 @@ def test_an_operator_injects_a_drill_from_the_job_page(site: Site) -> None:
     ops.page.locator("#drills-h").scroll_into_view_if_needed()
     ops.shot("job-drill")
     ops.close()
+
+
+def test_the_dark_theme_follows_the_system_and_keeps_the_pages_readable(site: Site) -> None:
+    viv = Browser(site, "viv", scheme="dark")
+    viv.go(f"/jobs/{site.made['live']}/")
+    viv.page.wait_for_function(
+        "() => Number(document.getElementById('stat-step').textContent) > 0", timeout=45_000
+    )
+    viv.page.wait_for_timeout(1500)  # the charts drawn
+    viv.shot("job-dark")
+    background = viv.page.evaluate("() => getComputedStyle(document.body).backgroundColor")
+    ink = viv.page.evaluate("() => getComputedStyle(document.body).color")
+    assert background == "rgb(20, 23, 29)" and ink == "rgb(228, 232, 239)"
+    viv.go(f"/recoveries/{site.made['override-me']}/")
+    viv.shot("recovery-dark")
+    viv.close()

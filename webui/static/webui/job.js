@@ -182,6 +182,9 @@
     return axis;
   }
 
+  // the page's own ink, so that the charts read in the dark theme too
+  const ink = getComputedStyle(document.body).color;
+
   function plot() {
     if (!window.Plotly) return;
     const shapes = markerShapes(), labels = markerLabels();
@@ -193,6 +196,7 @@
         title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
         xaxis: { type: "date", visible: !empty }, yaxis: { ...yaxis(series[key], unit), visible: !empty },
         shapes, annotations: [...labels, ...note], showlegend: false,
+        paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       }, { displayModeBar: false, responsive: true });
     }
     plotted = Date.now();
