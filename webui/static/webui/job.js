@@ -184,6 +184,7 @@
 
   // the page's own ink, so that the charts read in the dark theme too
   const ink = getComputedStyle(document.body).color;
+  const gridLines = getComputedStyle(document.documentElement).getPropertyValue("--line").trim() || "#d8dde6";
 
   function plot() {
     if (!window.Plotly) return;
@@ -194,7 +195,8 @@
       // copies: Plotly.react redraws only arrays it has not seen
       Plotly.react(id, [{ x: series.t.slice(), y: series[key].slice(), mode: "lines", line: { color: "#2457c5" }, name: title }], {
         title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
-        xaxis: { type: "date", visible: !empty }, yaxis: { ...yaxis(series[key], unit), visible: !empty },
+        xaxis: { type: "date", visible: !empty, gridcolor: gridLines },
+        yaxis: { ...yaxis(series[key], unit), visible: !empty, gridcolor: gridLines },
         shapes, annotations: [...labels, ...note], showlegend: false,
         paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
       }, { displayModeBar: false, responsive: true });
