@@ -62,7 +62,7 @@ def cold_load(browser: Any, url: str, path: str, ready: str | None) -> dict[str,
         page.fill("#id_username", USER)
         page.fill("#id_password", PASSWORD)
         page.keyboard.press("Enter")
-        page.wait_for_load_state()
+        page.wait_for_selector("h1:has-text('Jobs')")
         # the login fetched the stylesheet: a new context with the session's cookie alone
         cookies = context.cookies()
         context.close()
@@ -153,7 +153,7 @@ def measure(browser: Any, url: str, job: int, args: argparse.Namespace) -> dict[
         page.fill("#id_username", USER)
         page.fill("#id_password", PASSWORD)
         page.keyboard.press("Enter")
-        page.wait_for_load_state()
+        page.wait_for_selector("h1:has-text('Jobs')")
         page.goto(f"{url}{path}")
         if path == job_page:
             page.wait_for_function(step_shown, timeout=60_000)
