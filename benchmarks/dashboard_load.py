@@ -38,6 +38,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 USER, PASSWORD = "bench", "dashboard-bench-1"
 
 
+def log_in(page: Any, url: str) -> None:
+    """The benchmark's user logged in on ``page``, landed on the jobs list."""
+    page.goto(f"{url}/accounts/login/")
+    page.fill("#id_username", USER)
+    page.fill("#id_password", PASSWORD)
+    page.keyboard.press("Enter")
+    page.wait_for_selector("h1:has-text('Jobs')")
+
+
 def busy_s_a_minute(page: Any, seconds: float) -> float:
     """The page's main-thread task seconds over ``seconds`` (DevTools' TaskDuration), a minute."""
     session = page.context.new_cdp_session(page)
@@ -58,11 +67,7 @@ def cold_load(browser: Any, url: str, path: str, ready: str | None) -> dict[str,
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
     if path != "/accounts/login/":
-        page.goto(f"{url}/accounts/login/")
-        page.fill("#id_username", USER)
-        page.fill("#id_password", PASSWORD)
-        page.keyboard.press("Enter")
-        page.wait_for_selector("h1:has-text('Jobs')")
+        log_in(page, url)
         # the login fetched the stylesheet: a new context with the session's cookie alone
         cookies = context.cookies()
         context.close()
@@ -149,11 +154,7 @@ def measure(browser: Any, url: str, job: int, args: argparse.Namespace) -> dict[
     for name, path in (("job page", job_page), ("jobs list (baseline)", "/jobs/")):
         context = browser.new_context(viewport={"width": 1280, "height": 800})
         page = context.new_page()
-        page.goto(f"{url}/accounts/login/")
-        page.fill("#id_username", USER)
-        page.fill("#id_password", PASSWORD)
-        page.keyboard.press("Enter")
-        page.wait_for_selector("h1:has-text('Jobs')")
+        log_in(page, url)
         page.goto(f"{url}{path}")
         if path == job_page:
             page.wait_for_function(step_shown, timeout=60_000)
