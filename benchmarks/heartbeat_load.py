@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -115,19 +117,10 @@ async def agent(
 
     devices = list(range(node * DEVICES_PER_NODE, (node + 1) * DEVICES_PER_NODE))
     await asyncio.sleep(random.uniform(0, plan["ramp"]))  # the ramp
-    opening = time.time()
-    try:
-        ws = await websockets.connect(url, open_timeout=30, ping_interval=None, max_queue=None)
-    except (OSError, TimeoutError, websockets.WebSocketException):
-        out["connect_errors"] += 1
-        return
     hello = {"type": "hello", "job": job, "node": f"node-{node}", "token": token}
-    await ws.send(json.dumps({**hello, "devices": devices}))
-    welcome = json.loads(await ws.recv())
-    if welcome.get("type") != "welcome":
-        out["connect_errors"] += 1
+    ws = await _welcomed(url, json.dumps({**hello, "devices": devices}), plan, out)
+    if ws is None:
         return
-    out["welcome_s"].append(time.time() - opening)
     reader = asyncio.create_task(_drain(ws))
     await asyncio.sleep(random.uniform(0, 1))  # a random phase
     seq, beat = 0, time.time()
@@ -154,18 +147,51 @@ async def agent(
                 out["sent_in_window"] += 1
             beat += plan["interval"]
             await asyncio.sleep(max(beat + random.uniform(-0.05, 0.05) - time.time(), 0))
+    except websockets.ConnectionClosed as closed:  # the server closed it (silent: 4004)
+        out["closed"][str(closed.rcvd.code if closed.rcvd else None)] += 1
     except websockets.WebSocketException:
         out["send_errors"] += 1
     finally:
         reader.cancel()
         if "kill" not in plan and "hang" not in plan:
-            await ws.send(json.dumps({"type": "goodbye", "reason": "benchmark over"}))
-            await ws.close()
+            with contextlib.suppress(websockets.WebSocketException):
+                await ws.send(json.dumps({"type": "goodbye", "reason": "benchmark over"}))
+                await ws.close()
+
+
+async def _welcomed(url: str, hello: str, plan: dict[str, Any], out: dict[str, Any]) -> Any:
+    """The socket once the server welcomed the agent, or None. A socket closed before the
+    welcome (the server busy with other hellos: ``CloseCode.BUSY``) is opened again after a
+    random backoff of 0.5 to 2 s, as the agent does, until the window starts; the time to the
+    welcome counts from the first attempt."""
+    import websockets
+
+    opening = time.time()
+    while time.time() < plan["window"][0]:
+        try:
+            ws = await websockets.connect(url, open_timeout=30, ping_interval=None, max_queue=None)
+            await ws.send(hello)
+            welcome = json.loads(await ws.recv())
+        except websockets.ConnectionClosed as closed:
+            out["refused"][str(closed.rcvd.code if closed.rcvd else None)] += 1
+            await asyncio.sleep(random.uniform(0.5, 2.0))
+            continue
+        except (OSError, TimeoutError, websockets.WebSocketException):
+            break
+        if welcome.get("type") != "welcome":
+            break
+        out["welcome_s"].append(time.time() - opening)
+        return ws
+    out["connect_errors"] += 1
+    return None
 
 
 async def _drain(ws: Any) -> None:
-    async for _ in ws:  # commands and errors: none are expected
-        pass
+    import websockets
+
+    with contextlib.suppress(websockets.ConnectionClosed):  # the sender counts the close
+        async for _ in ws:  # commands and errors: none are expected
+            pass
 
 
 def load(
@@ -179,7 +205,9 @@ def load(
 ) -> None:
     pin(cpu)
     out: dict[str, Any] = {"connect_errors": 0, "send_errors": 0, "sent_in_window": 0,
-                           "kills": {}, "hangs": {}, "welcome_s": []}  # fmt: skip
+                           "kills": {}, "hangs": {}, "welcome_s": [],
+                           "refused": collections.Counter(),
+                           "closed": collections.Counter()}  # fmt: skip
 
     async def everyone() -> None:
         await asyncio.gather(*(agent(url, job, token, n, plans[n], out) for n in nodes))
@@ -278,8 +306,10 @@ def measure(
             lag_buckets(client)  # imports and connects now, not at the window's start
             time.sleep(max(window[0] - time.time(), 0))
             before, cpu0 = lag_buckets(client), cpu_seconds(server.pid)
+            detector0 = cpu_seconds(detector.pid)
             time.sleep(max(window[1] - time.time(), 0))
             after, cpu1 = lag_buckets(client), cpu_seconds(server.pid)
+            detector1 = cpu_seconds(detector.pid)
             outs = [results.get(timeout=seconds + 120) for _ in procs]
             for proc in procs:
                 proc.join(timeout=30)
@@ -316,9 +346,12 @@ def measure(
         "ingest_p50_ms": None if p50 is None else p50 * 1000,
         "ingest_p99_ms": None if p99 is None else p99 * 1000,
         "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
+        "detector_cpu_pct": 100 * (detector1 - detector0) / seconds,
         "welcome_p50_s": _quantile(welcomes, 0.5),
         "welcome_max_s": welcomes[-1] if welcomes else None,
         "connect_errors": sum(o["connect_errors"] for o in outs),
+        "hellos_refused": dict(sum((o["refused"] for o in outs), collections.Counter())),
+        "closed_by_server": dict(sum((o["closed"] for o in outs), collections.Counter())),
         "send_errors": sum(o["send_errors"] for o in outs),
         "kills": len(killed),
         "kills_detected": len(kill_s),

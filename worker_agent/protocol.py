@@ -80,9 +80,10 @@ class CloseCode(IntEnum):
     # the heartbeat deadline failed the node while this socket stayed open (a partition): its
     # agent connects again and says hello as a new member
     SILENT = 4004
-    # the standard "try again later": the server holds too many sockets that have not said
-    # hello; closed before any frame, so an agent connects again after its backoff
-    BUSY = 1013
+    # "try again later" (IANA's 1013, in the application's range: Daphne's websocket library
+    # sends no 1xxx code but 1000, and raised on 1013): the server holds too many sockets that
+    # have not said hello; closed before any frame, so an agent connects again after its backoff
+    BUSY = 4013
 
 
 # Errors after which the server closes the socket, with the code to close it with.

@@ -37,8 +37,7 @@ from worker_agent.protocol import plan_devices
 log = structlog.get_logger(__name__)
 
 
-def deadline_s() -> float:
-    return liveness.HEARTBEAT_INTERVAL_S * liveness.MISSED_BEATS
+deadline_s = liveness.deadline_s
 
 
 def _silent_node(job_id: int, node_name: str, last_heard_s: float) -> int | None:
@@ -156,7 +155,10 @@ STALL_MIN_WATCHED = 2  # this many nodes heard within the hold window, none with
 # the nodes are judged again (a control plane stalled that long has lost its agents anyway).
 STALL_HOLD_DEADLINES = 4.0
 STALLS_KEY = f"{liveness.PREFIX}:detector:stalls"  # held-off passes by reason, for /metrics
-STALL_REASONS = ("detector_lag", "redis_slow", "none_heard")
+# ``ingest_behind`` (a server process's event loop fell behind: ``liveness.watch_loop``) holds
+# off only the short silences: the pass judges nodes silent longer than the deadline and
+# ``STALL_HOLD_DEADLINES`` more, so a server that stays behind delays detection, never blinds it.
+STALL_REASONS = ("detector_lag", "redis_slow", "none_heard", "ingest_behind")
 _last_pass_s: float | None = None  # this process's previous pass (monotonic clock)
 
 
@@ -168,6 +170,7 @@ class View:
     rtt_s: float  # the Redis round trip reading the watched nodes
     newest_age_s: float | None  # the newest heartbeat of any watched node (None: none watched)
     recent: int  # watched nodes heard within the deadline and the hold window after it
+    behind: int = 0  # server processes whose event loop fell behind within the last deadline
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ def stall(view: View, deadline_s: float) -> Stall | None:
     age = view.newest_age_s
     if age is not None and age > deadline_s and view.recent >= STALL_MIN_WATCHED:
         return Stall("none_heard", f"none of {view.recent} watched nodes heard for {age:.2f} s")
+    if view.behind:
+        return Stall("ingest_behind", f"{view.behind} server(s) behind on heartbeats")
     return None
 
 
@@ -194,10 +199,11 @@ async def _view(redis: aioredis.Redis, now_s: float, gap_s: float) -> View:
     started = time.monotonic()
     jobs = list(await redis.smembers(liveness.JOBS_KEY))
     async with redis.pipeline(transaction=False) as pipe:
+        pipe.zcount(liveness.BEHIND_KEY, now_s, "+inf")
         for job in jobs:
             pipe.zrevrange(liveness.seen_key(int(job)), 0, 0, withscores=True)
             pipe.zcount(liveness.seen_key(int(job)), now_s - window_s, "+inf")
-        found = await pipe.execute() if jobs else []
+        behind, *found = await pipe.execute()
     rtt_s = time.monotonic() - started
     newest = [float(pair[0][1]) for pair in found[0::2] if pair]
     return View(
@@ -205,6 +211,7 @@ async def _view(redis: aioredis.Redis, now_s: float, gap_s: float) -> View:
         rtt_s=rtt_s,
         newest_age_s=now_s - max(newest) if newest else None,
         recent=sum(int(n) for n in found[1::2]),
+        behind=int(behind),
     )
 
 
@@ -222,12 +229,15 @@ async def sweep(redis: aioredis.Redis, now_s: float | None = None) -> list[int]:
     lifecycle_due = now_s is not None or time.monotonic() >= _next_lifecycle_s
     now_s = time.time() if now_s is None else now_s
     held = stall(await _view(redis, now_s, gap_s), deadline_s())
+    silence_s = deadline_s()
     if held is not None:
         await redis.hincrby(STALLS_KEY, held.reason, 1)
         log.warning("detector.stall", reason=held.reason, message=held.message)
-        return []
+        if held.reason != "ingest_behind":
+            return []
+        silence_s, lifecycle_due = deadline_s() * (1 + STALL_HOLD_DEADLINES), False
     decided = []
-    for job_id, node, last_heard_s in await liveness.silent(redis, now_s, deadline_s()):
+    for job_id, node, last_heard_s in await liveness.silent(redis, now_s, silence_s):
         # forget first: a second detector running the same pass finds nothing to report
         removed = await redis.zrem(liveness.seen_key(job_id), node)
         if not removed:

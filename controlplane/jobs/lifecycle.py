@@ -37,18 +37,33 @@ def join_deadline_s() -> float:
     return float(settings.PITSTOP_JOIN_DEADLINE_S)
 
 
-def joined(*, job_id: int, node_id: int) -> bool:
+def joined(
+    *,
+    job_id: int,
+    node_id: int,
+    node_status: str | None = None,
+    job_status: str | None = None,
+) -> bool:
     """The node's agent said hello: the node has joined, and its job runs. The job's first
     hello (after ``pending``, ``stale`` or ``stopped``) starts the join deadline of its nodes
     still expected again: their agents are started with the first one, not with the job.
     True when the node had failed (lost, or never joined): it comes back as a new member, the
-    lost host restarted or a replacement in its place (``decisions.node_came_back``)."""
+    lost host restarted or a replacement in its place (``decisions.node_came_back``).
+
+    ``node_status`` and ``job_status``, when the caller has just read them (the hello does),
+    save their reads and, in the common case, the job's write: a job read running whose node
+    was connected or expected is not resumed again. Nothing can have stopped it since: ``left``
+    stops a job only when none of its nodes is connected or expected, and this one was."""
     now = timezone.now()
-    came_back = Node.objects.filter(pk=node_id, status=NodeStatus.FAILED).exists()
+    if node_status is None:
+        node_status = Node.objects.filter(pk=node_id).values_list("status", flat=True).first()
     Node.objects.filter(pk=node_id).update(status=NodeStatus.HEALTHY, joined_at=now)
-    if Job.objects.filter(pk=job_id, status__in=RESUMABLE).update(status=JobStatus.RUNNING):
+    settled = job_status is not None and job_status not in RESUMABLE
+    if not (settled and node_status in (*CONNECTED, NodeStatus.EXPECTED)) and (
+        Job.objects.filter(pk=job_id, status__in=RESUMABLE).update(status=JobStatus.RUNNING)
+    ):
         Node.objects.filter(job_id=job_id, status=NodeStatus.EXPECTED).update(expected_at=now)
-    return came_back
+    return node_status == NodeStatus.FAILED
 
 
 def left(*, job_id: int, node_id: int) -> bool:
@@ -101,11 +116,15 @@ def device_counts() -> dict[str, Count]:
 def live_jobs() -> dict[int, float]:
     """Every live job (``LIVE_JOB``): the last moment it is known to have been heard from or
     to have begun, from the database alone (its creation, its nodes' latest hello)."""
-    rows = Job.objects.filter(status__in=LIVE_JOB).annotate(hello=Max("nodes__joined_at"))
-    return {
-        pk: max(created, hello or created).timestamp()
-        for pk, created, hello in rows.values_list("pk", "created_at", "hello")
-    }
+    # grouped by the two columns it reads: annotating the model itself groups by every column
+    # on SQLite, the scenario's and plan's megabytes included (0.47 s a pass at 2,048 nodes)
+    rows = (
+        Job.objects.filter(status__in=LIVE_JOB)
+        .order_by()
+        .values_list("pk", "created_at")
+        .annotate(hello=Max("nodes__joined_at"))
+    )
+    return {pk: max(created, hello or created).timestamp() for pk, created, hello in rows}
 
 
 def mark_stale(job_ids: list[int]) -> list[int]:

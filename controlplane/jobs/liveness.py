@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
+import os
+import socket
 import time
 import weakref
 from typing import Any
@@ -51,10 +54,31 @@ LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 
                  0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
 # How long the writer waits for more heartbeats before it writes.
 LINGER_S = 0.002
+# Server processes whose event loop fell behind, scored by when that stops counting (server
+# clock): a loop late by more than this many deadlines holds heartbeats back long enough to make
+# a node look silent, and the detector then judges only long silences (``jobs.detector``).
+BEHIND_KEY = f"{PREFIX}:ingest:behind"
+LOOP_BEHIND_DEADLINES = 0.25
+LOOP_PERIOD_S = 0.25  # how often a server process looks at its own event loop
 
 
-def client() -> aioredis.Redis:
-    return aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+# A client's connections: at most this many at once, and a command that finds them all in use
+# waits for one (up to POOL_WAIT_S) rather than failing, as redis-py's own pool (100) does: a
+# burst of agents saying hello is then slower, not lost.
+POOL_SIZE = 64
+POOL_WAIT_S = 10.0
+
+
+def deadline_s() -> float:
+    """How long a node may be silent: ``MISSED_BEATS`` heartbeat intervals."""
+    return HEARTBEAT_INTERVAL_S * MISSED_BEATS
+
+
+def client(size: int = POOL_SIZE) -> aioredis.Redis:
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.REDIS_URL, decode_responses=True, max_connections=size, timeout=POOL_WAIT_S
+    )
+    return aioredis.Redis(connection_pool=pool)
 
 
 _sync: redis_sync.Redis | None = None
@@ -73,8 +97,10 @@ class Writer:
     in one pipeline (per job: one ZADD and one HSET for all its nodes), then records the lag
     of every beat received, superseded ones included."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, name: str = "") -> None:
         self.redis = redis
+        self.name = name  # this process's and loop's, in ``BEHIND_KEY``
+        self.since: float | None = None  # when the oldest beat queued now was queued (monotonic)
         # per job, each node's latest beat (heard at, frame text), or None to forget the node
         self.queued: dict[int, dict[str, tuple[float, str] | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
@@ -82,10 +108,13 @@ class Writer:
         # resolved when the queue as it stands is written, and when the batch in flight is
         self.queued_done: asyncio.Future[None] | None = None
         self.writing_done: asyncio.Future[None] | None = None
+        self.watching: asyncio.Task[None] | None = None  # its loop's ``watch_loop``
 
     def beat(self, job_id: int, node: str, at_s: float, frame: str, sent_s: float) -> None:
         """Queue the heartbeat ``frame`` (its JSON text) heard at ``at_s``, which its agent sent
         at ``sent_s`` (the agent's clock)."""
+        if self.since is None:
+            self.since = time.monotonic()
         self.queued.setdefault(job_id, {})[node] = (at_s, frame)
         self.sent.append(sent_s)
         self._schedule()
@@ -106,10 +135,11 @@ class Writer:
             while self.queued:
                 batch, self.queued = self.queued, {}
                 sent, self.sent = self.sent, []
+                since, self.since = self.since, None
                 done, self.queued_done = self.queued_done, None
                 self.writing_done = done or asyncio.get_running_loop().create_future()
                 try:
-                    await self._write(batch, sent)
+                    await self._write(batch, sent, since)
                 finally:
                     self.writing_done.set_result(None)
                     self.writing_done = None
@@ -127,10 +157,18 @@ class Writer:
             await asyncio.shield(self.writing_done)
 
     async def _write(
-        self, batch: dict[int, dict[str, tuple[float, str] | None]], sent: list[float]
+        self,
+        batch: dict[int, dict[str, tuple[float, str] | None]],
+        sent: list[float],
+        since: float | None,
     ) -> None:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
+                held = 0.0 if since is None else time.monotonic() - since
+                if held > LOOP_BEHIND_DEADLINES * HEARTBEAT_INTERVAL_S * MISSED_BEATS:
+                    # beats queued behind slow writes: as late to Redis as a late loop makes them
+                    log.warning("ingest.behind", held_s=round(held, 3), beats=len(sent))
+                    pipe.zadd(BEHIND_KEY, {self.name: time.time() + deadline_s()})
                 for job_id, nodes in batch.items():
                     beats = {node: beat for node, beat in nodes.items() if beat is not None}
                     gone = [node for node, beat in nodes.items() if beat is None]
@@ -170,14 +208,34 @@ _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Red
 
 
 def shared() -> tuple[aioredis.Redis, Writer]:
-    """The running event loop's Redis client and heartbeat writer, shared by its sockets (one
-    connection pool, not one per socket)."""
+    """The running event loop's Redis client, shared by its sockets (one connection pool, not
+    one per socket), and its heartbeat writer, on a connection of its own: it writes one batch
+    at a time, and no burst of the sockets' other commands makes it wait for a connection. The
+    first call also starts watching the loop (``watch_loop``)."""
     loop = asyncio.get_running_loop()
     found = _shared.get(loop)
     if found is None:
-        redis = client()
-        found = _shared[loop] = (redis, Writer(redis))
+        name = f"{socket.gethostname()}:{os.getpid()}:{id(loop)}"
+        redis, writer = found = _shared[loop] = (client(), Writer(client(size=1), name))
+        writer.watching = loop.create_task(watch_loop(redis, name))
     return found
+
+
+async def watch_loop(redis: aioredis.Redis, name: str) -> None:
+    """Every ``LOOP_PERIOD_S``, how late this event loop wakes: later than
+    ``LOOP_BEHIND_DEADLINES`` deadlines (a burst of hellos, a long garbage collection), the
+    process is in ``BEHIND_KEY`` for a deadline from now. The writer puts it there too when a
+    batch of beats waited that long to be written (``Writer._write``)."""
+    loop = asyncio.get_running_loop()
+    deadline = deadline_s()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(LOOP_PERIOD_S)
+        late = loop.time() - started - LOOP_PERIOD_S
+        if late > LOOP_BEHIND_DEADLINES * deadline:
+            log.warning("ingest.behind", late_s=round(late, 3))
+            with contextlib.suppress(RedisError):
+                await redis.zadd(BEHIND_KEY, {name: time.time() + deadline})
 
 
 def lag_histogram(redis: Any) -> tuple[list[tuple[str, int]], float]:

@@ -87,8 +87,16 @@ def latest(redis: redis_sync.Redis, job_id: int) -> dict[str, Any]:
     pipe = redis.pipeline(transaction=False)
     pipe.set(key, text, px=int(MAX_AGE_S * 1000))
     pipe.set(f"{key}:last", text, ex=60)
+    # the step alone, for ``job_step``: a failure recorded reads a number, not every node's picture
+    pipe.set(f"{key}:step", json.dumps(built["step"]), px=int(MAX_AGE_S * 1000))
     pipe.execute()
     return built
+
+
+def _step(redis: redis_sync.Redis, job_id: int) -> Any:
+    """The step of the job's snapshot (``latest``), read alone while it is cached."""
+    cached = redis.get(f"{snapshot_key(job_id)}:step")
+    return json.loads(cached) if cached is not None else latest(redis, job_id)["step"]
 
 
 def job_step(job_id: int, *, node: str | None = None, known: int | None = None) -> int | None:
@@ -100,7 +108,7 @@ def job_step(job_id: int, *, node: str | None = None, known: int | None = None) 
     steps = [known]
     try:
         redis = liveness.sync_client()
-        steps.append(latest(redis, job_id)["step"])
+        steps.append(_step(redis, job_id))
         if node is not None:
             raw = redis.hget(liveness.frames_key(job_id), node)
             steps.append(json.loads(raw).get("step") if raw else None)

@@ -146,27 +146,34 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished], b
         # one answer for an unknown token and another job's: nothing to probe for
         raise ProtocolError(ErrorCode.UNAUTHORISED, "no such token for this job", field="token")
     job = token.job
-    node = Node.objects.filter(job=job, name=frame.node).first()
-    if node is None:
+    # a thousand agents say hello at once when a job starts: each read is as plain as it can be
+    # (no ordering, no model built), and the node's status read here spares ``joined`` its own
+    found = (
+        Node.objects.filter(job=job, name=frame.node).order_by().values_list("pk", "status").first()
+    )
+    if found is None:
         raise ProtocolError(
             ErrorCode.UNKNOWN_NODE, f"job {job.name} has no node {frame.node!r}", field="node"
         )
-    if token.node_id is not None and token.node_id != node.pk:
+    node_id, status = found
+    if token.node_id is not None and token.node_id != node_id:
         raise ProtocolError(
             ErrorCode.UNAUTHORISED, "this token speaks for another node of the job", field="node"
         )
-    owned = set(Device.objects.filter(node=node).values_list("index", flat=True))
+    owned = set(Device.objects.filter(node_id=node_id).order_by().values_list("index", flat=True))
     foreign = sorted(set(frame.devices) - owned)
     if foreign:
         raise ProtocolError(
             ErrorCode.WRONG_DEVICES,
-            f"devices {foreign} are not on node {node.name} (it has {sorted(owned)})",
+            f"devices {foreign} are not on node {frame.node} (it has {sorted(owned)})",
             field="devices",
         )
     # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
-    came_back = lifecycle.joined(job_id=job.pk, node_id=node.pk)
-    session = Session(job.pk, job.name, node.pk, node.name, frozenset(owned), token.pk)
-    return session, applying.unfinished(node.pk), came_back
+    came_back = lifecycle.joined(
+        job_id=job.pk, node_id=node_id, node_status=status, job_status=job.status
+    )
+    session = Session(job.pk, job.name, node_id, frame.node, frozenset(owned), token.pk)
+    return session, applying.unfinished(node_id), came_back
 
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
@@ -515,6 +522,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 )
             )
         )
+        welcomed_s = time.time()
+        if welcomed_s - self.last_heard_s > liveness.HEARTBEAT_INTERVAL_S:
+            # a welcome slow to leave (a server busy with many hellos): the agent's first beat
+            # is due an interval after it, so the deadline counts from the welcome
+            self.last_heard_s = welcomed_s
+            self.writer.beat(session.job_id, session.node, welcomed_s, "{}", welcomed_s)
         log.info("agent.hello", job=session.job_id, node=session.node)
         # what was sent while this agent was away, or not acknowledged before it reconnected
         for command in unfinished:

@@ -109,6 +109,38 @@ async def test_a_detector_that_came_late_to_its_pass_holds_it_off(redis: Any) ->
     await sockets["node-1"].disconnect()
 
 
+@pytest.mark.asyncio
+async def test_a_server_behind_on_heartbeats_delays_the_judgement_of_a_silent_node(
+    redis: Any,
+) -> None:
+    """A server whose event loop was blocked reports itself behind (``liveness.watch_loop``);
+    while it counts, a node silent past the deadline is not judged, one silent past the deadline
+    and the hold window after it is."""
+    job, sockets, newest = await all_joined(redis)
+    now = newest + 0.5
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": now - detector.deadline_s() - 1})
+    before = await stalls(redis, "ingest_behind")
+    watcher = liveness.shared()[1].watching
+    assert watcher is not None and not watcher.done()
+    time.sleep(detector.deadline_s() * liveness.LOOP_BEHIND_DEADLINES + liveness.LOOP_PERIOD_S)
+    for _ in range(100):  # the watcher wakes late, and says so
+        if await redis.zcount(liveness.BEHIND_KEY, time.time(), "+inf"):
+            break
+        await asyncio.sleep(0.01)
+    assert await detector.sweep(redis, now_s=now) == []
+    assert await failures(job) == []
+    assert await stalls(redis, "ingest_behind") == before + 1
+    window_s = detector.deadline_s() * (1 + detector.STALL_HOLD_DEADLINES)
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": now - window_s - 1})
+    assert len(await detector.sweep(redis, now_s=now)) == 1
+    [failure] = await failures(job)
+    assert failure.devices == NODES["node-1"]
+    await redis.delete(liveness.BEHIND_KEY)
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
 DEADLINE_S = 3.0
 
 
@@ -117,16 +149,18 @@ DEADLINE_S = 3.0
     rtt=st.floats(0, 100),
     age=st.none() | st.floats(0, 100),
     recent=st.integers(0, 10_000),
+    behind=st.integers(0, 3),
 )
 def test_a_pass_is_held_off_exactly_when_a_sign_of_our_own_stall_shows(
-    gap: float, rtt: float, age: float | None, recent: int
+    gap: float, rtt: float, age: float | None, recent: int, behind: int
 ) -> None:
-    view = detector.View(gap_s=gap, rtt_s=rtt, newest_age_s=age, recent=recent)
+    view = detector.View(gap_s=gap, rtt_s=rtt, newest_age_s=age, recent=recent, behind=behind)
     held = detector.stall(view, DEADLINE_S)
     signs = [
         gap > DEADLINE_S * detector.STALL_GAP_DEADLINES,
         rtt > DEADLINE_S * detector.STALL_RTT_DEADLINES,
         age is not None and age > DEADLINE_S and recent >= detector.STALL_MIN_WATCHED,
+        behind > 0,
     ]
     assert (held is not None) == any(signs)
     if held is not None:

@@ -113,3 +113,25 @@ def test_a_message_over_the_transport_limit_closes_with_1009_and_the_node_is_los
     while "agent.lost" not in events(target, mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert events(target, mark).count("agent.lost") == 1
+
+
+def test_a_socket_over_the_cap_of_silent_ones_is_closed_4013_and_the_next_is_welcomed(
+    tmp_path: Path,
+) -> None:
+    """With one silent socket held (``PITSTOP_MAX_WAITING_SOCKETS=1``), the next is closed with
+    4013 before any frame, on a real Daphne (whose websocket library refused to send 1013 and
+    raised instead: the agent saw 1011, an internal error); once the silent one is gone, a hello
+    is welcomed."""
+    with ws_fuzz.server(tmp_path, PITSTOP_MAX_WAITING_SOCKETS="1") as running:
+        with connect(running.url, open_timeout=10) as silent:
+            with (
+                connect(running.url, open_timeout=10) as extra,
+                pytest.raises(ConnectionClosed) as closed,
+            ):
+                extra.recv(timeout=10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4013
+            silent.close()
+        with connect(running.url, open_timeout=10) as ws:
+            ws.send(hello(running))
+            assert json.loads(ws.recv(timeout=10))["type"] == "welcome"
+        assert "Exception inside application" not in running.log.read_text(errors="replace")
