@@ -30,7 +30,7 @@ from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning, requeue_orphaned, requeue_overdue
 from controlplane.jobs import lifecycle, liveness, snapshot
-from controlplane.jobs.models import Device, Node, NodeStatus, heavy
+from controlplane.jobs.models import Device, Job, Node, NodeStatus, heavy
 from controlplane.streaming import hub
 from worker_agent.protocol import plan_devices
 
@@ -67,17 +67,23 @@ def _silent_node(job_id: int, node_name: str, last_heard_s: float) -> int | None
     return decision.pk
 
 
-def _never_joined(node_id: int, now: dt.datetime) -> int | None:
+def _plan_devices(job_id: int) -> set[int]:
+    return plan_devices(Job.objects.values_list("plan", flat=True).get(pk=job_id))
+
+
+def _never_joined(node_id: int, now: dt.datetime, used: set[int] | None = None) -> int | None:
     """Record the failure of a node expected and not joined within the join deadline; the
     decision's id, or None if it joined (or another detector recorded it) meanwhile, or if
-    the running plan uses none of its devices (then no decision is opened)."""
+    the running plan uses none of its devices (then no decision is opened). ``used``, the plan's
+    devices as the caller read them this pass, spares reading the plan again for every node of
+    a job (megabytes at thousands of nodes)."""
     with transaction.atomic():
         # the node's status moves once: a second detector's pass finds it failed already
         if not Node.objects.filter(pk=node_id, status=NodeStatus.EXPECTED).update(
             status=NodeStatus.FAILED
         ):
             return None
-        node = Node.objects.select_related("job").get(pk=node_id)
+        node = Node.objects.select_related("job").defer(*heavy("job")).get(pk=node_id)
         devices = sorted(Device.objects.filter(node=node).values_list("index", flat=True))
         failure: dict[str, Any] = {
             "kind": "never_joined",
@@ -88,7 +94,7 @@ def _never_joined(node_id: int, now: dt.datetime) -> int | None:
             "message": f"no hello within {lifecycle.join_deadline_s():g} s of being expected",
             "step": snapshot.job_step(node.job_id),
         }
-        used = plan_devices(node.job.plan)
+        used = _plan_devices(node.job_id) if used is None else used
         if used.isdisjoint(devices):  # spares: capacity lost, nothing to recover
             decisions.record_idle_failure(node.job, **failure)
             return None
@@ -122,10 +128,13 @@ async def _lifecycle(redis: aioredis.Redis, now_s: float) -> list[int]:
             log.info("detector.stale", job=job_id, deadline_s=deadline)
     decided = []
     now = dt.datetime.fromtimestamp(now_s, tz=dt.UTC)
+    plans: dict[int, set[int]] = {}  # each job's plan devices, read once this pass
     for job_id, node_id, name in await database_sync_to_async(lifecycle.overdue_nodes)(now):
         if job_id in stale:
             continue
-        decision = await database_sync_to_async(_never_joined)(node_id, now)
+        if job_id not in plans:
+            plans[job_id] = await database_sync_to_async(_plan_devices)(job_id)
+        decision = await database_sync_to_async(_never_joined)(node_id, now, plans[job_id])
         if decision is not None:
             log.info("detector.never_joined", job=job_id, node=name, deadline_s=deadline)
             decided.append(decision)
