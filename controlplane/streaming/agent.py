@@ -235,6 +235,77 @@ def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -
     )
 
 
+@dataclass
+class Loss:
+    """A socket closed without goodbye, waiting to be recorded (``Losses``)."""
+
+    session: Session
+    last_heard_s: float | None
+    last_step: int | None
+    recorded: asyncio.Future[None]
+
+
+class Losses:
+    """One event loop's lost nodes, recorded one after another in one worker thread. A switch
+    or a rack that fails drops many sockets at once: recorded in a thread each, their records
+    waited on each other's database locks, and each thread held the interpreter lock from the
+    event loop, which then fell behind on every other agent's heartbeats."""
+
+    def __init__(self) -> None:
+        self.queued: list[Loss] = []
+        self.draining: asyncio.Task[None] | None = None
+
+    def record(
+        self, session: Session, last_heard_s: float | None, last_step: int | None
+    ) -> asyncio.Future[None]:
+        """Queue the loss; the future is done once it is recorded, or raises why not."""
+        loop = asyncio.get_running_loop()
+        loss = Loss(session, last_heard_s, last_step, loop.create_future())
+        self.queued.append(loss)
+        if self.draining is None:
+            self.draining = loop.create_task(self._drain())
+        return loss.recorded
+
+    async def _drain(self) -> None:
+        try:
+            while self.queued:
+                batch, self.queued = self.queued, []
+                errors = await in_thread(_record_losses)(batch)
+                for loss, error in zip(batch, errors, strict=True):
+                    if loss.recorded.done():  # its socket's task was cancelled meanwhile
+                        continue
+                    if error is None:
+                        loss.recorded.set_result(None)
+                    else:
+                        loss.recorded.set_exception(error)
+        finally:
+            self.draining = None
+
+
+def _record_losses(batch: list[Loss]) -> list[Exception | None]:
+    """Each loss recorded in turn (``_lost``); what each raised, or None."""
+    errors: list[Exception | None] = []
+    for loss in batch:
+        try:
+            _lost(loss.session, loss.last_heard_s, loss.last_step)
+            errors.append(None)
+        except Exception as exc:  # this one is left to the deadline, the others are recorded
+            errors.append(exc)
+    return errors
+
+
+_losses: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Losses] = weakref.WeakKeyDictionary()
+
+
+def losses() -> Losses:
+    """The running event loop's ``Losses``."""
+    loop = asyncio.get_running_loop()
+    found = _losses.get(loop)
+    if found is None:
+        found = _losses[loop] = Losses()
+    return found
+
+
 def _goodbye(session: Session) -> None:
     lifecycle.left(job_id=session.job_id, node_id=session.node_id)
 
@@ -567,7 +638,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.writer.forget(session.job_id, session.node)
         try:
-            await in_thread(_lost)(session, self.last_heard_s, self.last_step)
+            await asyncio.shield(losses().record(session, self.last_heard_s, self.last_step))
         except Exception:
             # watched again from its last beat: the detector records it at the deadline
             log.exception("agent.loss_not_recorded", job=session.job_id, node=session.node)
