@@ -37,31 +37,21 @@ def join_deadline_s() -> float:
     return float(settings.PITSTOP_JOIN_DEADLINE_S)
 
 
-def joined(
-    *,
-    job_id: int,
-    node_id: int,
-    node_status: str | None = None,
-    job_status: str | None = None,
-) -> bool:
+def joined(*, job_id: int, node_id: int, node_status: str | None = None) -> bool:
     """The node's agent said hello: the node has joined, and its job runs. The job's first
     hello (after ``pending``, ``stale`` or ``stopped``) starts the join deadline of its nodes
     still expected again: their agents are started with the first one, not with the job.
     True when the node had failed (lost, or never joined): it comes back as a new member, the
     lost host restarted or a replacement in its place (``decisions.node_came_back``).
-
-    ``node_status`` and ``job_status``, when the caller has just read them (the hello does),
-    save their reads and, in the common case, the job's write: a job read running whose node
-    was connected or expected is not resumed again. Nothing can have stopped it since: ``left``
-    stops a job only when none of its nodes is connected or expected, and this one was."""
+    ``node_status``: the node's, when the caller has just read it (the hello has)."""
     now = timezone.now()
     if node_status is None:
         node_status = Node.objects.filter(pk=node_id).values_list("status", flat=True).first()
     Node.objects.filter(pk=node_id).update(status=NodeStatus.HEALTHY, joined_at=now)
-    settled = job_status is not None and job_status not in RESUMABLE
-    if not (settled and node_status in (*CONNECTED, NodeStatus.EXPECTED)) and (
-        Job.objects.filter(pk=job_id, status__in=RESUMABLE).update(status=JobStatus.RUNNING)
-    ):
+    resumable = Job.objects.filter(pk=job_id, status__in=RESUMABLE)
+    # read before written: nearly every hello finds its job running, and a write each would
+    # queue a thousand agents' hellos behind each other's database locks
+    if resumable.exists() and resumable.update(status=JobStatus.RUNNING):
         Node.objects.filter(job_id=job_id, status=NodeStatus.EXPECTED).update(expected_at=now)
     return node_status == NodeStatus.FAILED
 

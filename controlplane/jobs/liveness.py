@@ -165,7 +165,7 @@ class Writer:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 held = 0.0 if since is None else time.monotonic() - since
-                if held > LOOP_BEHIND_DEADLINES * HEARTBEAT_INTERVAL_S * MISSED_BEATS:
+                if held > LOOP_BEHIND_DEADLINES * deadline_s():
                     # beats queued behind slow writes: as late to Redis as a late loop makes them
                     log.warning("ingest.behind", held_s=round(held, 3), beats=len(sent))
                     pipe.zadd(BEHIND_KEY, {self.name: time.time() + deadline_s()})

@@ -170,9 +170,7 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished], b
             field="devices",
         )
     # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
-    came_back = lifecycle.joined(
-        job_id=job.pk, node_id=node_id, node_status=status, job_status=job.status
-    )
+    came_back = lifecycle.joined(job_id=job.pk, node_id=node_id, node_status=status)
     session = Session(job.pk, job.name, node_id, frame.node, frozenset(owned), token.pk)
     return session, applying.unfinished(node_id), came_back
 
