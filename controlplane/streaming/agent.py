@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import itertools
 import json
 import math
 import resource
@@ -209,26 +210,41 @@ def _profiled(session: Session, frame: protocol.Profile) -> bool:
         raise ProtocolError(ErrorCode.INVALID, message, field=exc.field) from exc
 
 
-def _lost(session: Session, last_heard_s: float | None, last_step: int | None) -> None:
-    """The socket closed without goodbye: every device of the node failed, now (unless the
-    node is gone with its job meanwhile)."""
-    node = (
-        Node.objects.select_related("job").defer(*heavy("job")).filter(pk=session.node_id).first()
+def _lost(losses: list[Loss]) -> None:
+    """Sockets of one job's nodes closed without goodbye: every device of those nodes failed,
+    now, as one failure (a switch or a rack that fails drops them together; unless a node is
+    gone with its job meanwhile)."""
+    sessions = {loss.session.node_id: loss.session for loss in losses}
+    nodes = list(
+        Node.objects.select_related("job")
+        .defer(*heavy("job"))
+        .filter(pk__in=sessions)
+        .order_by("index")
     )
-    if node is None:
+    if not nodes:
         return
-    Node.objects.filter(pk=node.pk).update(status=NodeStatus.FAILED)
+    Node.objects.filter(pk__in=[node.pk for node in nodes]).update(status=NodeStatus.FAILED)
     now = timezone.now()
-    heard = now if last_heard_s is None else dt.datetime.fromtimestamp(last_heard_s, tz=dt.UTC)
+    heard = min(
+        (dt.datetime.fromtimestamp(loss.last_heard_s, tz=dt.UTC) for loss in losses
+         if loss.last_heard_s is not None),
+        default=now,
+    )  # fmt: skip
+    steps = [loss.last_step for loss in losses if loss.last_step is not None]
+    names = ", ".join(node.name for node in nodes)
     decisions.record_failure(
-        node.job,
+        nodes[0].job,
         kind="node_lost",
-        devices=sorted(session.devices),
+        devices=sorted(d for node in nodes for d in sessions[node.pk].devices),
         source=FailureSource.SOCKET,
         occurred_at=min(heard, now),
-        node=node,
-        message="the agent's socket closed without goodbye",
-        step=snapshot.job_step(session.job_id, known=last_step),
+        node=nodes[0],
+        message=(
+            "the agent's socket closed without goodbye"
+            if len(nodes) == 1
+            else f"the agents' sockets of {names} closed without goodbye"
+        ),
+        step=snapshot.job_step(nodes[0].job_id, known=max(steps, default=None)),
         plan=enqueue_planning,
     )
 
@@ -281,14 +297,16 @@ class Losses:
 
 
 def _record_losses(batch: list[Loss]) -> list[Exception | None]:
-    """Each loss recorded in turn (``_lost``); what each raised, or None."""
+    """The losses recorded in turn, those of one job queued together as one failure
+    (``_lost``); what each raised, or None."""
     errors: list[Exception | None] = []
-    for loss in batch:
+    for _, group in itertools.groupby(batch, key=lambda loss: loss.session.job_id):
+        together = list(group)
         try:
-            _lost(loss.session, loss.last_heard_s, loss.last_step)
-            errors.append(None)
-        except Exception as exc:  # this one is left to the deadline, the others are recorded
-            errors.append(exc)
+            _lost(together)
+            errors.extend([None] * len(together))
+        except Exception as exc:  # left to the deadline; the other jobs' are recorded
+            errors.extend([exc] * len(together))
     return errors
 
 
