@@ -75,14 +75,21 @@ def small_jobs(draw: st.DrawFn) -> tuple[ClusterState, Trace]:
     return state, generate(spec, state.cluster, 3 * HOUR, draw(st.integers(0, 10_000)))
 
 
+# Policies that start a crashed process again on its own device, which the ideal does not do
+# (docs/simulator.md, "Known gap"): bounded by the run with no failure at all instead.
+IN_PLACE = frozenset({"restart", "restart_shrink"})
+
+
 @settings(max_examples=examples(15), deadline=None)
 @given(small_jobs())
 def test_no_policy_trains_more_than_the_ideal(job: tuple[ClusterState, Trace]) -> None:
     state, trace = job
     bound = ideal_run(state, trace, 3 * HOUR)
+    unfailed = ideal_run(state, Trace(()), 3 * HOUR)
     for name in policies.names():
         run = simulate(state, name, trace, 3 * HOUR)
-        assert run.samples <= bound.samples * (1 + 1e-9), name
+        limit = unfailed if name in IN_PLACE else bound
+        assert run.samples <= limit.samples * (1 + 1e-9), name
 
 
 def test_summary_gives_each_policy_its_share_of_the_ideal() -> None:
