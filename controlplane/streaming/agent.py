@@ -286,7 +286,7 @@ class Losses:
                 batch, self.queued = self.queued, []
                 errors = await in_thread(_record_losses)(batch)
                 for loss, error in zip(batch, errors, strict=True):
-                    if loss.recorded.done():  # its socket's task was cancelled meanwhile
+                    if loss.recorded.done():  # never so (its socket awaits it shielded): a guard
                         continue
                     if error is None:
                         loss.recorded.set_result(None)
