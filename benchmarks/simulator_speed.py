@@ -21,6 +21,7 @@ from typing import Any
 from benchmarks.planner_scaling import failed_state
 from benchmarks.results import write_results
 from controlplane.recovery.model import ClusterState
+from controlplane.recovery.planner import forget
 from controlplane.recovery.policies.base import Policy
 from controlplane.recovery.policies.odyssey import OdysseyPolicy
 from controlplane.recovery.simulator.engine import simulate
@@ -40,6 +41,7 @@ def healthy_state(devices: int, rate: float) -> ClusterState:
 def timed(state: ClusterState, policy: Policy, spec: TraceSpec, days: float, seed: int) -> Any:
     horizon = days * 24 * 3600.0
     trace = generate(spec, state.cluster, horizon, seed)
+    forget()  # each run starts with nothing remembered, as a fresh simulation would
     wall, cpu = time.perf_counter(), time.process_time()
     run = simulate(state, policy, trace, horizon, seed=seed)
     return {

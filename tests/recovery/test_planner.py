@@ -14,6 +14,7 @@ from controlplane.recovery.planner import (
     PipelineOracle,
     distribute_batch,
     even_splits,
+    forget,
     search,
     usable_groups,
 )
@@ -312,3 +313,36 @@ def test_placement_budget_is_reported_not_hidden() -> None:
     assert oracle.best(24, 4) is not None
     assert oracle.incomplete
     assert not PipelineOracle(profile, math.inf, 1).incomplete
+
+
+def test_a_cut_answer_leaves_every_search_that_reads_it_incomplete() -> None:
+    """One oracle serves many searches: a pair whose best a budget cut short is unproven each
+    time it is read again, and a pair proven afresh does not inherit an earlier search's cut."""
+    profile = uniform_profile(32, 1.0, 2.0)
+    oracle = PipelineOracle(profile, math.inf, 1, placement_budget=100)
+    first = oracle.best(24, 4)
+    assert oracle.incomplete
+    oracle.incomplete = False  # a new search
+    assert oracle.best(24, 4) == first
+    assert oracle.incomplete
+    oracle.incomplete = False
+    assert oracle.best(2, 4) is not None
+    assert not oracle.incomplete
+
+
+@pytest.mark.parametrize("top_k", [1, 5])
+def test_a_remembered_search_answers_as_a_fresh_one(top_k: int) -> None:
+    """A search asked again is answered from memory: the same shapes and proof as computed
+    afresh, and a caller that changes the list it got changes nothing remembered."""
+    profile = uniform_profile(16)
+    args = (profile, Cluster(devices=12), Training(global_batch=24))
+    kwargs = {"groups": 12, "tp": 1, "dp_options": [2, 3, 4], "top_k": top_k}
+    forget()
+    fresh = search(*args, **kwargs)  # type: ignore[arg-type]
+    expected = (list(fresh.shapes), fresh.complete)
+    fresh.shapes.clear()
+    again = search(*args, **kwargs)  # type: ignore[arg-type]
+    forget()
+    recomputed = search(*args, **kwargs)  # type: ignore[arg-type]
+    assert (again.shapes, again.complete) == expected == (recomputed.shapes, recomputed.complete)
+    assert len(expected[0]) == top_k
