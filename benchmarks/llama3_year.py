@@ -42,7 +42,6 @@ The default run (54 days, 2 seeds, every default policy but Bamboo) takes about 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from pathlib import Path
@@ -168,10 +167,7 @@ def state(spare_hosts: int, restart_s: float = Assumptions().restart_s) -> Clust
 
 def ettr(run: Run, failure_free_s: float) -> tuple[float, float]:
     """(effective training time ratio, share of wall time spent running) of one run."""
-    samples_per_s = run.global_batch / failure_free_s
-    return run.samples / (samples_per_s * run.horizon_s), sum(
-        s.duration_s for s in run.segments if math.isfinite(s.step_s)
-    ) / run.horizon_s
+    return run.throughput * failure_free_s / run.global_batch, 1 - run.downtime_s / run.horizon_s
 
 
 def policy_set(names: list[str], restart_min: float) -> dict[str, Policy]:
