@@ -24,7 +24,13 @@ from django.db.models import (
 from django.db.models.fields.json import KT
 
 from controlplane.bridge.vocabulary import MEANINGS
-from controlplane.incidents.models import OPEN, DecisionStatus, RecoveryDecision
+from controlplane.incidents.models import (
+    OPEN,
+    DecisionStatus,
+    EventKind,
+    RecoveryDecision,
+    TimelineEvent,
+)
 from controlplane.jobs import lifecycle
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
 
@@ -244,3 +250,53 @@ def overridden(decision: RecoveryDecision) -> bool:
     """Whether an operator applied something other than the core's proposal."""
     proposal = (decision.decision or {}).get("chosen")
     return decision.chosen_by_id is not None and decision.chosen != proposal
+
+
+# The statuses of a decision nobody has chosen for yet, and the events that end that wait.
+WAITING = frozenset({DecisionStatus.PLANNING, DecisionStatus.PROPOSED})
+ENDING = (
+    EventKind.APPROVED,
+    EventKind.OVERRIDDEN,
+    EventKind.AUTO_APPLIED,
+    EventKind.DISMISSED,
+    EventKind.SUPERSEDED,
+    EventKind.FAILED,
+)
+
+
+def decided(decision_id: int) -> str | None:
+    """Who ended the decision's wait for an operator, how and when, in a sentence ("ops
+    overrode the proposal with #2 (dynamic) at 12:01:03 UTC: its reason"); None while open."""
+    found = (
+        RecoveryDecision.objects.filter(pk=decision_id)
+        .annotate(policy=_chosen_policy())
+        .values("status", "chosen", "policy", "reason", "superseded_by")
+        .first()
+    )
+    event = (
+        TimelineEvent.objects.filter(decision_id=decision_id, kind__in=ENDING)
+        .order_by("at", "pk")  # the first: what ended the wait
+        .values("kind", "actor", "at")
+        .first()
+    )
+    if found is None or event is None or found["status"] in WAITING:
+        return None
+    chosen = found["chosen"]
+    what = "an edited plan" if chosen is None else f"#{chosen} ({found['policy']})"
+    who, kind = event["actor"], event["kind"]
+    told: dict[str, str] = {
+        EventKind.APPROVED: f"{who} approved {what}",
+        EventKind.OVERRIDDEN: f"{who} overrode the proposal with {what}",
+        EventKind.AUTO_APPLIED: (
+            f"the job's deadline passed and {what} was applied"
+            if who == "timeout"
+            else f"the job's mode applied {what}"
+        ),
+        EventKind.DISMISSED: f"{who} dismissed it",
+        EventKind.SUPERSEDED: f"a later failure superseded it (decision #{found['superseded_by']})",
+        EventKind.FAILED: "it failed",
+    }
+    text = told[kind] + f" at {event['at']:%H:%M:%S} UTC"
+    if found["reason"] and kind in (EventKind.APPROVED, EventKind.OVERRIDDEN, EventKind.DISMISSED):
+        text += f": {found['reason']}"
+    return text

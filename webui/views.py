@@ -19,6 +19,7 @@ from django.contrib.auth.views import redirect_to_login
 from django.db.models.fields.json import KT, KeyTextTransform, KeyTransform
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 from redis.exceptions import RedisError
@@ -50,6 +51,11 @@ def role(request: HttpRequest) -> Role:
     return found
 
 
+def _asks_json(request: HttpRequest) -> bool:
+    accept = request.headers.get("Accept", "")
+    return "application/json" in accept and "text/html" not in accept
+
+
 def needs(minimum: Role) -> Callable[[View], View]:
     """A page for users with at least ``minimum``: others log in, or are refused (403)."""
 
@@ -57,6 +63,9 @@ def needs(minimum: Role) -> Callable[[View], View]:
         @wraps(view)
         def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             if not request.user.is_authenticated:
+                if _asks_json(request):  # a page's script: it tells the user the session ended
+                    said = {"detail": "not logged in: the session ended", "login": reverse("login")}
+                    return JsonResponse(said, status=401)
                 return redirect_to_login(request.get_full_path())
             if role(request) < minimum:
                 context = {"needed": minimum.name.lower()}
@@ -153,14 +162,38 @@ def job_drill(request: HttpRequest, pk: int) -> HttpResponse:
     return page(request, "webui/job.html", context)
 
 
-def job_context(job: Job) -> dict[str, Any]:
-    grid = data.grid(job)
+def parts_context(job: Job) -> dict[str, Any]:
+    """What the job page's server-drawn parts show: the plan running, the recoveries, the drills
+    (the page draws them again from ``job_parts`` when its socket says something changed)."""
     recent = list(
         RecoveryDecision.objects.filter(job=job)
         .select_related("failure")
         .defer("decision", "plan")
         .order_by("-created_at", "-pk")[:20]
     )
+    return {
+        "job": job,
+        "recent": recent,
+        "plan": data.plan_rows(job.plan),
+        "drills": list(job.drills.select_related("node")[:DRILLS_SHOWN]),
+    }
+
+
+# The job page's parts, each a template of its own (job.html includes them).
+PARTS = {"plan": "webui/_plan.html", "recent": "webui/_recent.html", "drills": "webui/_drills.html"}
+
+
+@needs(Role.VIEWER)
+def job_parts(request: HttpRequest, pk: int) -> HttpResponse:
+    """The job page's plan, recoveries and drills drawn again, as ``{part: html}``."""
+    context = parts_context(_job(pk))
+    return JsonResponse({name: render_to_string(t, context, request) for name, t in PARTS.items()})
+
+
+def job_context(job: Job) -> dict[str, Any]:
+    grid = data.grid(job)
+    parts = parts_context(job)
+    recent = parts["recent"]
     markers = [
         {
             "at": d.failure.detected_at.isoformat(),
@@ -175,17 +208,15 @@ def job_context(job: Job) -> dict[str, Any]:
         "interval_s": liveness.HEARTBEAT_INTERVAL_S,
         "markers": markers,
         "recovery_url": reverse("webui:recovery", args=[0]),
+        "parts_url": reverse("webui:parts", args=[job.pk]),
         **grid,
     }
     return {
-        "job": job,
+        **parts,
         "config": config,
         "counts": data.device_counts(grid["states"]),
         "nodes": len(grid["nodes"]),
-        "recent": recent,
         "open": next((d for d in recent if d.status in data.OPEN_STATUSES), None),
-        "plan": data.plan_rows(job.plan),
-        "drills": list(job.drills.select_related("node")[:DRILLS_SHOWN]),
         "drill_kinds": [kind.value for kind in InjectKind],
     }
 
@@ -327,6 +358,26 @@ def attention(request: HttpRequest) -> HttpResponse:
 
 
 @needs(Role.VIEWER)
+def recovery_state(request: HttpRequest, pk: int) -> HttpResponse:
+    """What the recovery page watches (recovery.js asks every few seconds): the decision's
+    status, how many timeline events it has, and who ended its wait for an operator."""
+    found = get_object_or_404(RecoveryDecision.objects.only("status"), pk=pk)
+    return JsonResponse(
+        {
+            "status": found.status,
+            "events": found.events.count(),
+            "decided": data.decided(pk),
+        }
+    )
+
+
+def _conflict(pk: int, exc: decisions.IllegalTransition) -> str:
+    """What a refused action tells: what happened first (someone else's decision) in words."""
+    first = data.decided(pk)
+    return f"Nothing was changed: {first}." if first else str(exc)
+
+
+@needs(Role.VIEWER)
 def recovery_proposal(request: HttpRequest, pk: int) -> HttpResponse:
     """The proposed plan as JSON, for the override editor of a plan too large to inline."""
     decision = get_object_or_404(RecoveryDecision.objects.only("plan", "decision"), pk=pk)
@@ -340,7 +391,7 @@ def recovery_approve(request: HttpRequest, pk: int) -> HttpResponse:
     try:
         decisions.approve(decision.pk, user=request.user, reason=request.POST.get("reason", ""))  # type: ignore[arg-type]
     except decisions.IllegalTransition as exc:
-        context = {**recovery_context(_recovery(pk)), "action_error": str(exc)}
+        context = {**recovery_context(_recovery(pk)), "action_error": _conflict(pk, exc)}
         return page(request, "webui/recovery.html", context, status=409)
     return redirect("webui:recovery", pk=pk)
 
@@ -363,7 +414,7 @@ def recovery_dismiss(request: HttpRequest, pk: int) -> HttpResponse:
         context = {**recovery_context(_recovery(pk)), "dismiss_error": message}
         return page(request, "webui/recovery.html", context, status=400)
     except decisions.IllegalTransition as exc:
-        context = {**recovery_context(_recovery(pk)), "action_error": str(exc)}
+        context = {**recovery_context(_recovery(pk)), "action_error": _conflict(pk, exc)}
         return page(request, "webui/recovery.html", context, status=409)
     return redirect("webui:recovery", pk=pk)
 
@@ -403,7 +454,9 @@ def recovery_override(request: HttpRequest, pk: int) -> HttpResponse:
             message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
             error = {"field": exc.field or "plan", "message": message, "code": exc.code}
         except decisions.IllegalTransition as exc:
-            error, status = {"field": "", "message": str(exc), "code": exc.code}, 409
+            # not beside a field: the form is gone once someone else decided
+            context = {**recovery_context(_recovery(pk)), "action_error": _conflict(pk, exc)}
+            return page(request, "webui/recovery.html", context, status=409)
     context = recovery_context(_recovery(pk))
     context.update(override_error=error, reason=reason, use=given.get("use", "candidate"))
     if edited is not None or given.get("use") == "plan":

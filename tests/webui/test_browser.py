@@ -196,6 +196,17 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     for _ in range(5):
         ops.page.keyboard.press("ArrowRight")
     assert ops.page.inner_text("#grid-info") == "Device 5 on node-1: failed"
+    # the server-drawn parts follow without a reload: the recovery listed, then the new plan
+    ops.page.wait_for_selector("#part-recent a[href^='/recoveries/']", timeout=30_000)
+    ops.page.wait_for_function(
+        "() => document.querySelector('#part-recent .badge').textContent === 'recovered'",
+        timeout=45_000,
+    )
+    cells = ops.page.locator("#part-plan small").all_inner_texts()
+    running = {int(d) for c in cells for d in c.removeprefix("dev ").split("·")[0].split(",")}
+    assert running and not running & {4, 5, 6, 7}, f"the plan shown still runs on {running}"
+    ops.page.locator("#recent-h").scroll_into_view_if_needed()
+    ops.shot("job-recovered-live")
     ops.close()
 
 
@@ -227,15 +238,34 @@ def test_every_page_counts_the_proposals_waiting_in_its_title(site: Site) -> Non
 
 
 def test_an_operator_approves_a_manual_jobs_decision(site: Site) -> None:
-    ops = Browser(site, "ops")
+    """Two tabs on one proposal: the first approves, the second is told who did, its buttons
+    are disabled, and it shows the decision as it is now when asked."""
+    ops, other = Browser(site, "ops"), Browser(site, "ops")
     decision = site.made["approve-me"]
     wait_proposed(ops, decision)
+    other.go(f"/recoveries/{decision}/")
     ops.shot("recovery-proposed")
     ops.page.fill("#approve-reason", "checked the candidates")
     ops.page.click("#approve")
     ops.page.wait_for_selector("#decision-status:has-text('applying')")
     assert ops.page.locator("#approve").count() == 0
     assert "Approved by ops: checked the candidates" in ops.page.inner_text(".why")
+    conflict = other.page.wait_for_selector("#conflict:not([hidden])", timeout=10_000)
+    said = conflict.inner_text()
+    assert said.startswith("While this page was open, ops approved #"), said
+    assert said.endswith("UTC: checked the candidates. The forms below no longer apply."
+                         " Show the decision now"), said  # fmt: skip
+    assert other.page.is_disabled("#approve") and other.page.is_disabled("#override")
+    other.shot("recovery-conflict")
+    other.page.click("#show-now")
+    other.page.wait_for_function(
+        "() => document.getElementById('approve') === null"
+        " && ['applying', 'recovered'].includes(document.getElementById('decision-status')"
+        ".textContent)",
+        timeout=10_000,
+    )
+    assert "Approved by ops: checked the candidates" in other.page.inner_text(".why")
+    other.close()
     ops.close()
 
 
@@ -269,11 +299,13 @@ def test_a_recovery_timeline_is_drawn_and_exported(site: Site) -> None:
     ops.go(f"/jobs/{site.made['live']}/")
     link = ops.page.wait_for_selector("#banner a, td a[href^='/recoveries/']", timeout=30_000)
     ops.go(link.get_attribute("href"))
-    deadline = time.monotonic() + 45
-    while ops.page.inner_text("#decision-status") != "recovered":
-        assert time.monotonic() < deadline, "the auto job never recovered"
-        time.sleep(0.5)
-        ops.page.reload()
+    ops.page.wait_for_function(  # no reload: the page draws itself again as the decision moves
+        "() => document.getElementById('decision-status').textContent === 'recovered'"
+        " && document.querySelectorAll('table.phases td:last-child').length === 6"
+        " && [...document.querySelectorAll('table.phases td:last-child')]"
+        ".every((cell) => cell.textContent !== '—')",
+        timeout=45_000,
+    )
     ops.page.wait_for_selector("#gantt .plot-container")
     ops.shot("recovery-timeline")
     exported = ops.context.request.get(site.url + ops.page.get_attribute("#export-json", "href"))
@@ -338,11 +370,10 @@ def test_an_operator_injects_a_drill_from_the_job_page(site: Site) -> None:
     ops.page.wait_for_selector("#drills tbody tr")
     first = ops.page.locator("#drills tbody tr").first
     assert "kill" in first.inner_text() and "node-0 device 2" in first.inner_text()
-    deadline = time.monotonic() + 30
-    while "done" not in ops.page.locator("#drills tbody tr").first.inner_text():
-        assert time.monotonic() < deadline, "the simulated agent never acknowledged the drill"
-        time.sleep(0.5)
-        ops.page.reload()
+    ops.page.wait_for_function(  # no reload: the page draws its drills again when acked
+        "() => document.querySelector('#drills tbody tr td:last-child').textContent === 'done'",
+        timeout=30_000,
+    )
     ops.page.wait_for_function(
         "() => Number(document.querySelector('[data-count=\"failed\"]').textContent)"
         f" > {failed_before}",
@@ -367,3 +398,25 @@ def test_the_dark_theme_follows_the_system_and_keeps_the_pages_readable(site: Si
     viv.go(f"/recoveries/{site.made['override-me']}/")
     viv.shot("recovery-dark")
     viv.close()
+
+
+def test_a_logout_in_another_tab_stops_the_live_page_and_says_so(site: Site) -> None:
+    ops = Browser(site, "ops")
+    ops.go(f"/jobs/{site.made['live']}/")
+    ops.page.wait_for_selector("#live-state:has-text('connected')")
+    assert ops.page.is_hidden("#session-ended")
+    tab = ops.context.new_page()  # the same browser, so the same session
+    tab.goto(f"{site.url}/jobs/")
+    tab.click("text=Log out")
+    tab.wait_for_selector("#id_username")
+    started = time.monotonic()
+    ops.page.wait_for_selector("#session-ended", state="visible", timeout=10_000)
+    took = time.monotonic() - started
+    assert ops.page.inner_text("#live-state") == "stopped: session ended"
+    assert ops.page.locator("#main section.stale").count() >= 4
+    assert ops.page.title().startswith("(session ended) ")
+    ops.shot("job-session-ended")
+    assert took < 5, f"the page noticed the logout after {took:.1f} s"
+    # the page's scripts were told 401 on purpose; Chromium logs each as a console error
+    ops.errors = [e for e in ops.errors if "401 (Unauthorized)" not in e]
+    ops.close()

@@ -11,14 +11,17 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
-from django.contrib.auth.models import AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
+from django.contrib.sessions.backends.db import SessionStore
 from django.db import connections
+from django.test import Client
 from django.utils import timezone
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.services import create_job
+from controlplane.streaming import dashboard
 from controlplane.streaming.routing import browser_urlpatterns
 from tests.controlplane.test_api import SCENARIO, user
 from tests.controlplane.test_live import beat
@@ -79,6 +82,39 @@ def test_only_readers_may_watch(who: str) -> None:
         socket = communicator(job.pk, person)
         connected, _ = await socket.connect()
         assert not connected
+        await sync_to_async(connections.close_all)()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("ended_by", ["logout", "password change"])
+def test_a_socket_closes_when_its_browsers_session_ends(ended_by: str) -> None:
+    """A logout in another tab flushes the session; a password change voids its hash: either
+    way the socket says so and closes with 4401 (the page then stops reconnecting)."""
+    job, _ = create_job(f"socket-session-{ended_by}", copy.deepcopy(SCENARIO))
+    viewer = user("viewer")
+    browser = Client()
+    browser.force_login(viewer)
+    key = browser.session.session_key
+
+    async def scenario() -> None:
+        socket = communicator(job.pk, viewer)
+        socket.scope["session"] = SessionStore(key)
+        connected, _ = await socket.connect()
+        assert connected
+        await next_of(socket, "devices")
+        await asyncio.sleep(dashboard.SESSION_CHECK_S + 0.5)  # a check passed: still open
+        assert (await next_of(socket, "live"))["type"] == "live"
+        if ended_by == "logout":
+            await sync_to_async(browser.logout)()
+        else:
+            stored = await User.objects.aget(pk=viewer.pk)  # not the socket's own copy
+            stored.set_password("a-new-password-2")
+            await stored.asave()
+        expired = await next_of(socket, "expired")
+        assert "session ended" in expired["message"]
+        closed = await socket.receive_output(timeout=dashboard.SESSION_CHECK_S + 2)
+        assert closed == {"type": "websocket.close", "code": dashboard.SESSION_ENDED}
         await sync_to_async(connections.close_all)()
 
     asyncio.run(scenario())

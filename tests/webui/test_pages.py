@@ -225,7 +225,16 @@ def test_an_operator_approves_with_the_csrf_token() -> None:
     approved = RecoveryDecision.objects.get(pk=decision.pk)
     assert approved.status == DecisionStatus.APPLYING and approved.reason == "looks right"
     again = operator.post(url, {"csrfmiddlewaretoken": token[1]})
-    assert again.status_code == 409 and "cannot become approved" in text(again)
+    assert again.status_code == 409
+    who = approved.chosen_by.get_username()  # type: ignore[union-attr]
+    policy = approved.candidates[approved.chosen]["policy"]  # type: ignore[index]
+    said = re.search(r'<p class="error" role="alert">(.*?)</p>', text(again), re.S)
+    assert said is not None
+    assert re.fullmatch(
+        rf"Nothing was changed: {who} approved #{approved.chosen} \({policy}\) at "
+        r"\d\d:\d\d:\d\d UTC: looks right\.",
+        said[1],
+    ), said[1]
 
 
 def test_a_rejected_edited_plan_shows_the_cores_error_beside_the_field() -> None:
@@ -576,3 +585,80 @@ def test_a_plan_of_pipelines_with_different_stage_counts_keeps_its_columns() -> 
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows]
     assert [len(c) for c in cells] == [5, 5]  # four stage columns and the micro-batches
     assert cells[1][3] == "" and cells[1][4] == "7" and cells[0][4] == "4"
+
+
+# --- live parts, conflicts, ended sessions -------------------------------------------------
+
+
+def plan_devices(html: str) -> set[int]:
+    """The devices a plan table's cells name ("dev 0, 1" under each stage's layers)."""
+    cells = re.findall(r"<small>dev ([^<·]*)", html)
+    return {int(d) for cell in cells for d in cell.split(",") if d.strip()}
+
+
+def test_the_job_pages_parts_are_drawn_again_after_a_decision_and_a_drill() -> None:
+    job, _ = create_job("parts", copy.deepcopy(SCENARIO), approval_mode="auto",
+                        enabled_policies=["dynamic"])  # fmt: skip
+    viewer = client_as("viewer")
+    url = f"/jobs/{job.pk}/parts/"
+    assert f'"parts_url": "{url}"' in text(viewer.get(f"/jobs/{job.pk}/"))
+    before = viewer.get(url).json()
+    assert set(before) == {"plan", "recent", "drills"}
+    assert "None yet" in before["recent"] and "None yet" in before["drills"]
+    running = {d for p in job.plan["pipelines"] for s in p["stages"] for d in s["devices"]}
+    assert 5 in running and plan_devices(before["plan"]) == running
+
+    _, decision = decisions.record_failure(
+        job, kind="crash", devices=[5], source=FailureSource.AGENT, occurred_at=timezone.now()
+    )
+    decisions.plan(decision.pk)  # auto: applied, the job's plan is the new one
+    node = Node.objects.get(job=job, name="node-0")
+    Drill.objects.create(job=job, node=node, kind="kill", device=2, requested_by="ops")
+    after = viewer.get(url).json()
+    assert f'href="/recoveries/{decision.pk}/"' in after["recent"]
+    status = RecoveryDecision.objects.get(pk=decision.pk).status
+    assert f'<span class="badge {status}">{status}</span>' in after["recent"]
+    shown = plan_devices(after["plan"])
+    assert shown and 5 not in shown, "the plan part still runs on the failed device"
+    assert "node-0 device 2" in after["drills"] and "kill" in after["drills"]
+    assert Client().get(url).status_code == 302
+    assert client_as(None).get(url).status_code == 403
+
+
+def test_a_second_operator_is_told_who_decided_first_and_the_page_can_see_it() -> None:
+    decision = proposed("manual")
+    first, second = client_as("operator"), client_as("operator")
+    state = f"/recoveries/{decision.pk}/state/"
+    waiting = second.get(state).json()
+    assert waiting["status"] == "proposed" and waiting["decided"] is None
+    other = next(
+        i for i, c in enumerate(decision.candidates) if c["code"] == "ok" and i != decision.chosen
+    )
+    form = {"use": "candidate", "candidate": other, "reason": "faster restart"}
+    done = first.post(f"/recoveries/{decision.pk}/override/", form)
+    assert done.status_code == 302
+    chooser = RecoveryDecision.objects.get(pk=decision.pk).chosen_by
+    assert chooser is not None
+    overrider = chooser.get_username()
+    policy = decision.candidates[other]["policy"]
+    now = second.get(state).json()
+    assert now["status"] == "applying" and now["events"] > waiting["events"]
+    expected = (
+        rf"{overrider} overrode the proposal with #{other} \({policy}\) at \d\d:\d\d:\d\d UTC: "
+        "faster restart"
+    )
+    assert re.fullmatch(expected, now["decided"]), now["decided"]
+    late = second.post(f"/recoveries/{decision.pk}/approve/")
+    assert late.status_code == 409
+    assert re.search(f"Nothing was changed: {expected}\\.", text(late))
+    also = second.post(f"/recoveries/{decision.pk}/override/", {"use": "candidate", "candidate": 0})
+    assert also.status_code == 409 and re.search(f"Nothing was changed: {expected}", text(also))
+    assert RecoveryDecision.objects.get(pk=decision.pk).chosen == other
+
+
+def test_a_pages_script_is_told_the_session_ended_a_browser_is_sent_to_log_in() -> None:
+    for url in ("/attention/", "/jobs/1/parts/", "/recoveries/1/state/"):
+        asked = Client().get(url, headers={"Accept": "application/json"})
+        assert asked.status_code == 401 and asked.json()["login"] == "/accounts/login/"
+        browsed = Client().get(url, headers={"Accept": "text/html,application/json;q=0.9"})
+        assert browsed.status_code == 302 and browsed["Location"].startswith("/accounts/login/")

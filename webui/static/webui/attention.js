@@ -2,6 +2,8 @@
 // title ("(2) Jobs · Pitstop"), and each new one told by the browser's notification once the
 // user allowed them (the header's "Notify me" button). Asked every 10 s, not while the tab is
 // hidden (and at once when it shows again). A deadline on the page counts down every second.
+// When the session ends (a logout in another tab, an expiry) the page says so: on this look's
+// 401, or when another script sends "pitstop:session-ended" (the job page's socket closing).
 "use strict";
 (function () {
   const title = document.title;
@@ -23,11 +25,12 @@
   }
 
   async function look() {
-    if (!url || asking || document.hidden) return;
+    if (!url || asking || over || document.hidden) return;
     asking = true;
     try {
       const answer = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
-      if (!answer.ok) return; // logged out, or the server away: the next look tries again
+      if (answer.status === 401) { ended(); return; }
+      if (!answer.ok) return; // the server away: the next look tries again
       const body = await answer.json();
       document.title = body.count ? `(${body.count}) ${title}` : title;
       if (seen !== null && canNotify()) {
@@ -40,6 +43,17 @@
       asking = false;
     }
   }
+
+  let over = false;
+  function ended() {
+    if (over) return;
+    over = true;
+    const banner = document.getElementById("session-ended");
+    if (banner) banner.hidden = false;
+    document.title = `(session ended) ${title}`;
+    document.body.classList.add("ended");
+  }
+  document.addEventListener("pitstop:session-ended", ended);
 
   if (button && "Notification" in window && Notification.permission === "default") {
     button.hidden = false;

@@ -1,5 +1,8 @@
 // A job, live: the device grid on a canvas, charts of loss, throughput and step time, and a
 // banner for the open decision, all from /ws/dashboard/jobs/<id>/ (controlplane/streaming/dashboard.py).
+// The server-drawn parts (the plan running, the recoveries, the drills) are fetched again from
+// /jobs/<id>/parts/ whenever the socket says the job's decisions, drills or devices changed;
+// while the socket is down every live part is marked stale; a session that ended stops it.
 "use strict";
 (function () {
   const config = JSON.parse(document.getElementById("job-config").textContent);
@@ -262,18 +265,60 @@
     replot();
   }
 
+  // --- the server-drawn parts ---------------------------------------------------------------
+  let fetching = false, again = false;
+  async function refreshParts() {
+    if (fetching) { again = true; return; } // one request at a time, the last change not lost
+    fetching = true;
+    try {
+      const answer = await fetch(config.parts_url, { credentials: "same-origin", headers: { Accept: "application/json" } });
+      if (answer.status === 401) { document.dispatchEvent(new CustomEvent("pitstop:session-ended")); return; }
+      if (!answer.ok) return;
+      const parts = await answer.json();
+      for (const element of document.querySelectorAll("[data-part]")) {
+        const html = parts[element.dataset.part];
+        if (html !== undefined && element.innerHTML !== html) element.innerHTML = html;
+      }
+    } catch (error) {
+      // the network: the socket's next change asks again
+    } finally {
+      fetching = false;
+      if (again) { again = false; refreshParts(); }
+    }
+  }
+
+  function markStale(yes) {
+    for (const element of document.querySelectorAll("#main section")) element.classList.toggle("stale", yes);
+  }
+
+  // 4401: the session ended; 4403: not allowed (any more); 4404: the job is gone. No retry.
+  const FINAL = { 4401: "session ended", 4403: "not allowed", 4404: "the job was deleted" };
+
   function connect() {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const socket = new WebSocket(`${scheme}://${location.host}${config.socket}`);
     const state = document.getElementById("live-state");
-    socket.onopen = () => { state.textContent = "connected"; };
+    socket.onopen = () => {
+      state.textContent = "connected";
+      markStale(false); // its first message is the devices', which draws the parts again
+    };
     socket.onmessage = (event) => {
       const m = JSON.parse(event.data);
       if (m.type === "live") onLive(m);
-      else if (m.type === "devices") onDevices(m);
+      else if (m.type === "devices") { onDevices(m); refreshParts(); }
+      else if (m.type === "expired") state.textContent = m.message;
       else if (m.type === "error") state.textContent = m.message;
     };
-    socket.onclose = () => { state.textContent = "disconnected, retrying…"; setTimeout(connect, 2000); };
+    socket.onclose = (event) => {
+      markStale(true);
+      if (event.code in FINAL) {
+        state.textContent = `stopped: ${FINAL[event.code]}`;
+        if (event.code === 4401) document.dispatchEvent(new CustomEvent("pitstop:session-ended"));
+        return;
+      }
+      state.textContent = "disconnected, retrying…";
+      setTimeout(connect, 2000);
+    };
   }
 
   computeLayout();
