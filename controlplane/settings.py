@@ -5,6 +5,7 @@ embedded Redis are provided, when the environment leaves them unset, by the proc
 them (`controlplane.defaults`), before Django reads these settings.
 """
 
+import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
@@ -111,7 +112,9 @@ MIDDLEWARE = [
     "controlplane.request_context.request_context",
     "django.middleware.security.SecurityMiddleware",
     "controlplane.https.content_security_policy",
-    # static files (the dashboard's CSS and JS, plotly.js) from the ASGI app: daphne serves none
+    # static files (the dashboard's CSS and JS, plotly.js) from the ASGI app: daphne serves none;
+    # gzipped on the way out, each once (controlplane/static_files.py)
+    "controlplane.static_files.compressed_static",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -134,6 +137,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "webui.context.assets",
             ],
         },
     },
@@ -158,11 +162,16 @@ STATIC_URL = "static/"
 STATIC_ROOT: str | None = env.str("STATIC_ROOT", default="") or None
 WHITENOISE_USE_FINDERS = True
 _PLOTLY = importlib.util.find_spec("plotly")  # found, not imported
+# plotly.js under a folder named for its package's version: a browser may keep it for good
+# (WhiteNoise marks it immutable) and a new version is a new address.
+PLOTLY_DIR = f"vendor/plotly-{importlib.metadata.version('plotly')}" if _PLOTLY else "vendor/plotly"
+PLOTLY_JS = f"{PLOTLY_DIR}/plotly.min.js"
 STATICFILES_DIRS = (
-    [("vendor/plotly", Path(_PLOTLY.origin).parent / "package_data")]
+    [(PLOTLY_DIR, Path(_PLOTLY.origin).parent / "package_data")]
     if _PLOTLY is not None and _PLOTLY.origin is not None
     else []
 )
+WHITENOISE_IMMUTABLE_FILE_TEST = r"/vendor/plotly-[^/]+/"
 
 # The dashboard's login (Django's auth views, webui templates).
 LOGIN_URL = "login"

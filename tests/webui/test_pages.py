@@ -4,6 +4,8 @@ writing nothing, static files, and query budgets that do not grow with the jobs 
 from __future__ import annotations
 
 import copy
+import gzip
+import importlib.metadata
 import json
 import re
 import time
@@ -74,11 +76,40 @@ def test_pages_need_a_login_and_a_role(url: str) -> None:
 
 def test_plotly_and_the_dashboards_files_are_served_without_collecting_them() -> None:
     client = Client()
-    plotly = client.get("/static/vendor/plotly/plotly.min.js")
-    assert plotly.status_code == 200
-    assert b"plotly" in b"".join(plotly.streaming_content)[:2000].lower()  # type: ignore[attr-defined]
-    for name in ("style.css", "job.js", "recovery.js", "simulation.js"):
-        assert client.get(f"/static/webui/{name}").status_code == 200, name
+    version = importlib.metadata.version("plotly")
+    url = f"/static/vendor/plotly-{version}/plotly.min.js"
+    assert f'data-plotly="{url}"' in text(client.get("/"))
+    plotly = client.get(url)
+    assert plotly.status_code == 200 and not plotly.has_header("Content-Encoding")
+    raw = b"".join(plotly.streaming_content)  # type: ignore[attr-defined]
+    assert b"plotly" in raw[:2000].lower()
+    # its address names its version: a browser keeps it for good
+    assert plotly["Cache-Control"] == "max-age=315360000, public, immutable"
+    for name in ("style.css", "job.js", "recovery.js", "simulation.js", "charts.js"):
+        answer = client.get(f"/static/webui/{name}")
+        assert answer.status_code == 200, name
+        assert answer["Cache-Control"] == "max-age=60, public", name  # ours: revalidated
+
+
+def test_static_files_are_gzipped_for_a_browser_that_accepts_it_each_once() -> None:
+    client = Client()
+    url = f"/static/vendor/plotly-{importlib.metadata.version('plotly')}/plotly.min.js"
+    raw = b"".join(client.get(url).streaming_content)  # type: ignore[attr-defined]
+    for _ in range(2):  # the second from memory
+        packed = client.get(url, headers={"Accept-Encoding": "gzip, deflate, br"})
+        assert packed["Content-Encoding"] == "gzip" and "Accept-Encoding" in packed["Vary"]
+        assert gzip.decompress(packed.content) == raw
+        assert int(packed["Content-Length"]) == len(packed.content) < 0.4 * len(raw)
+        assert packed["Cache-Control"].endswith("immutable")
+    css = client.get("/static/webui/style.css", headers={"Accept-Encoding": "gzip"})
+    plain = b"".join(client.get("/static/webui/style.css").streaming_content)  # type: ignore[attr-defined]
+    assert css["Content-Encoding"] == "gzip" and gzip.decompress(css.content) == plain
+    # a range, and a browser that does not take gzip, get WhiteNoise's own answer
+    ranged = client.get(url, headers={"Accept-Encoding": "gzip", "Range": "bytes=0-99"})
+    assert ranged.status_code == 206 and not ranged.has_header("Content-Encoding")
+    assert b"".join(ranged.streaming_content) == raw[:100]  # type: ignore[attr-defined]
+    identity = client.get(url, headers={"Accept-Encoding": "identity"})
+    assert not identity.has_header("Content-Encoding")
 
 
 # --- jobs ----------------------------------------------------------------------------------

@@ -323,6 +323,6 @@
 
   computeLayout();
   draw();
-  plot();
   connect();
+  window.pitstopCharts.whenPlotly(plot);
 })();

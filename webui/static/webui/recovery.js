@@ -24,14 +24,13 @@
       });
     }
     document.getElementById("show-now").addEventListener("click", redraw);
-    gantt();
+    window.pitstopCharts.whenPlotly(gantt);
   }
 
   function gantt() {
     const phases = JSON.parse(document.getElementById("phases").textContent).filter((p) => p.start && p.end);
     const target = document.getElementById("gantt");
     if (!phases.length) { target.textContent = "No phase has ended yet."; return; }
-    if (!window.Plotly) return;
     const colours = ["#e15759", "#f28e2b", "#edc948", "#4e79a7", "#b07aa1", "#59a14f"];
     Plotly.newPlot(target, [{
       type: "bar", orientation: "h",
