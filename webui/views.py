@@ -311,6 +311,7 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
         "plan_url": reverse("webui:proposal", args=[decision.pk]) if too_big else "",
         "plan_kb": len(plan_text) // 1000,
         "api": f"/api/v1/recoveries/{decision.pk}/timeline/",
+        "phases_api": f"/api/v1/recoveries/{decision.pk}/phases/",
     }
 
 

@@ -287,3 +287,14 @@ class SweepCreateSerializer(serializers.Serializer):
         if ("job" in data) == ("scenario" in data):
             raise serializers.ValidationError({"job": ["give either a job or a scenario"]})
         return data
+
+
+class PhaseSerializer(serializers.Serializer):
+    """One phase of a recovery (``controlplane.api.views.phases``)."""
+
+    phase = serializers.ChoiceField(
+        choices=["detect", "plan", "approve", "transfer", "restart", "first_step"]
+    )
+    start = serializers.DateTimeField(allow_null=True, help_text="null until it started")
+    end = serializers.DateTimeField(allow_null=True, help_text="null until it ended")
+    seconds = serializers.FloatField(allow_null=True, help_text="end - start; null until both")

@@ -48,6 +48,7 @@ _M = TypeVar("_M", bound=Model)
 MAX_ID = 2**63 - 1
 
 TIMELINE_COLUMNS = ("id", "at", "kind", "actor", "decision", "failure", "step", "payload")
+PHASE_COLUMNS = ("phase", "start", "end", "seconds")
 
 
 class CSVRenderer(BaseRenderer):
@@ -65,6 +66,10 @@ class CSVRenderer(BaseRenderer):
         if isinstance(data, dict) and "code" in data and "events" not in data:
             writer.writerow(("code", "message", "field"))  # an error, kept readable
             writer.writerow((data.get("code"), data.get("message"), data.get("field")))
+            return out.getvalue().encode()
+        if isinstance(data, dict) and "phases" in data and "events" not in data:
+            writer.writerow(PHASE_COLUMNS)  # a recovery's phases, one a line
+            writer.writerows([row[c] for c in PHASE_COLUMNS] for row in data["phases"])
             return out.getvalue().encode()
         if isinstance(data, dict) and "events" not in data:
             writer.writerow(("name", "value"))  # anything else (OPTIONS' description) as pairs
@@ -507,6 +512,25 @@ class RecoveryViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
             step_at_failure=decision.failure.step,
             resumed_step=decision.resumed_step,
         )
+
+    @extend_schema(responses={200: s.PhaseSerializer(many=True)})
+    @action(
+        detail=True,
+        renderer_classes=TIMELINE_RENDERERS,
+        permission_classes=[CanRead],
+        pagination_class=None,  # six rows
+    )
+    def phases(self, request: Request, pk: str | None = None) -> Response:
+        """This recovery's phases (detect, plan, approve, transfer, restart, first step), each
+        its start, end and seconds; ``?format=csv`` downloads them, one a line."""
+        decision = self.get_object()
+        rows = s.PhaseSerializer(phases(decision, list(decision.events.all())), many=True).data
+        if request.accepted_renderer.format != "csv":
+            return Response(rows)
+        response = Response({"phases": rows})
+        name = f"recovery-{decision.pk}-phases.csv"
+        response["Content-Disposition"] = f'attachment; filename="{name}"'
+        return response
 
 
 class SweepViewSet(

@@ -359,6 +359,19 @@ def test_the_recovery_timeline_breaks_down_into_phases_and_exports_as_csv() -> N
     rows = list(csv.DictReader(io.StringIO(exported.content.decode())))
     assert [r["kind"] for r in rows] == kinds
     assert json.loads(rows[0]["payload"])["devices"] == [5]
+    # the phases on their own, as JSON and as a CSV of one phase a line
+    alone = client.get(f"/api/v1/recoveries/{decision.pk}/phases/").json()
+    assert alone == body["phases"]
+    table = client.get(f"/api/v1/recoveries/{decision.pk}/phases/", {"format": "csv"})
+    name = f'attachment; filename="recovery-{decision.pk}-phases.csv"'
+    assert table["Content-Disposition"] == name
+    lines = list(csv.DictReader(io.StringIO(table.content.decode())))
+    assert [r["phase"] for r in lines] == list(phases)
+    assert float(lines[1]["seconds"]) == pytest.approx(phases["plan"])
+    assert lines[3]["end"] == "" and lines[3]["seconds"] == ""  # transfer: under way
+    assert lines[5]["start"] == ""  # first step: not yet
+    plan = next(p for p in body["phases"] if p["phase"] == "plan")
+    assert lines[1]["start"] == plan["start"] and lines[1]["end"] == plan["end"]
 
 
 def test_the_step_at_the_failure_is_on_the_failure_and_its_timeline_row() -> None:

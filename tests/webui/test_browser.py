@@ -178,8 +178,17 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
         " && Number(document.getElementById('stat-step').textContent) > 0",
         timeout=45_000,
     )
+    ops.page.wait_for_selector("#chart-loss .plot-container")  # plotly.js came after the page
     ops.page.wait_for_timeout(1500)  # a few points on the charts
     ops.shot("job-live")
+    # each node's block is labelled above it: the top strip holds a few pixels of text, where
+    # an unlabelled grid starts with a row of solid cells
+    strip = ops.page.evaluate(
+        "() => { const c = document.getElementById('grid');"
+        " const d = c.getContext('2d').getImageData(0, 0, c.width, 12).data; let n = 0;"
+        " for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return [n, d.length / 4]; }"
+    )
+    assert 0.01 < strip[0] / strip[1] < 0.3, f"label strip inked {strip}"
     failed = ops.page.locator('[data-count="failed"]')
     assert failed.inner_text() == "0"
     site.agents[1].send_signal(signal.SIGKILL)  # its socket drops: node-1's devices 4-7 fail
@@ -313,6 +322,10 @@ def test_a_recovery_timeline_is_drawn_and_exported(site: Site) -> None:
     assert kinds[0] == "failure_detected" and "recovered" in kinds
     csv = ops.context.request.get(site.url + ops.page.get_attribute("#export-csv", "href"))
     assert csv.text().startswith("id,at,kind,actor,decision,failure,step,payload")
+    table = ops.context.request.get(site.url + ops.page.get_attribute("#export-phases", "href"))
+    assert table.text().splitlines()[0] == "phase,start,end,seconds"
+    assert len(table.text().splitlines()) == 7
+    assert table.headers["content-disposition"].endswith('-phases.csv"')
     ops.close()
 
 

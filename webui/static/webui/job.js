@@ -35,7 +35,9 @@
     return beat === "s" ? "s" : db;
   }
 
-  // Nodes are blocks of cells side by side, wrapped into rows that fit the page's width.
+  // Nodes are blocks of cells side by side, wrapped into rows that fit the page's width; each
+  // block is labelled with its node's name above it where the cells are large enough to read.
+  const LABEL = 14; // px of a row given to the names
   function computeLayout() {
     const perNode = Math.max(1, ...config.nodes.map((n) => n[2]));
     const width = canvas.parentElement.clientWidth - 2;
@@ -44,9 +46,11 @@
     const nodeWidth = perNode * cell + 3;
     const perRow = Math.max(1, Math.floor(width / nodeWidth));
     const rows = Math.ceil(config.nodes.length / perRow);
-    layout = { cell, perNode, nodeWidth, perRow };
+    const label = cell >= 10 && nodeWidth >= 36 ? LABEL : 0;
+    const rowHeight = label + cell + 3;
+    layout = { cell, perNode, nodeWidth, perRow, label, rowHeight };
     canvas.width = Math.min(width, perRow * nodeWidth);
-    canvas.height = rows * (cell + 3);
+    canvas.height = rows * rowHeight;
   }
 
   function where(device) {
@@ -55,18 +59,26 @@
     return {
       node,
       x: (node % layout.perRow) * layout.nodeWidth + slot * layout.cell,
-      y: Math.floor(node / layout.perRow) * (layout.cell + 3),
+      y: Math.floor(node / layout.perRow) * layout.rowHeight + layout.label,
     };
   }
 
+  const labelInk = getComputedStyle(document.body).color;
   function draw() {
     const ctx = canvas.getContext("2d");
     ctx.clearRect(0, 0, canvas.width, canvas.height);
-    const { cell, perRow, nodeWidth } = layout;
+    const { cell, perRow, nodeWidth, label, rowHeight } = layout;
     const gap = cell > 6 ? 1 : 0;
     const counts = { h: 0, s: 0, f: 0, p: 0, r: 0, u: 0 };
-    config.nodes.forEach(([, first, count], node) => {
-      const x0 = (node % perRow) * nodeWidth, y0 = Math.floor(node / perRow) * (cell + 3);
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "top";
+    config.nodes.forEach(([name, first, count], node) => {
+      const x0 = (node % perRow) * nodeWidth, top = Math.floor(node / perRow) * rowHeight;
+      const y0 = top + label;
+      if (label) {
+        ctx.fillStyle = labelInk;
+        ctx.fillText(name, x0, top + 1, nodeWidth - 5);
+      }
       for (let k = 0; k < count; k++) {
         const state = stateOf(first + k);
         counts[state] += 1;
@@ -123,7 +135,8 @@
   canvas.addEventListener("mousemove", (event) => {
     const box = canvas.getBoundingClientRect();
     const x = event.clientX - box.left, y = event.clientY - box.top;
-    const node = Math.floor(y / (layout.cell + 3)) * layout.perRow + Math.floor(x / layout.nodeWidth);
+    if (y % layout.rowHeight < layout.label) return; // a name, not a device
+    const node = Math.floor(y / layout.rowHeight) * layout.perRow + Math.floor(x / layout.nodeWidth);
     const slot = Math.floor((x % layout.nodeWidth) / layout.cell);
     if (node < config.nodes.length && slot < config.nodes[node][2]) describe(config.nodes[node][1] + slot);
   });
@@ -196,9 +209,12 @@
       const empty = !series[key].some((v) => v !== null && v !== undefined);
       const note = empty ? [{ text: "no data yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false, font: { color: "#7a8599" } }] : [];
       // copies: Plotly.react redraws only arrays it has not seen
-      Plotly.react(id, [{ x: series.t.slice(), y: series[key].slice(), mode: "lines", line: { color: "#2457c5" }, name: title }], {
+      // one point is a dot in a minute's window, not a line of nothing on an axis of a millisecond
+      const lone = series.t.length === 1;
+      const around = lone ? [new Date(Date.parse(series.t[0]) - 30000).toISOString(), new Date(Date.parse(series.t[0]) + 30000).toISOString()] : undefined;
+      Plotly.react(id, [{ x: series.t.slice(), y: series[key].slice(), mode: lone ? "markers" : "lines", line: { color: "#2457c5" }, marker: { color: "#2457c5" }, name: title }], {
         title: { text: title, font: { size: 14 } }, margin: { l: 50, r: 12, t: 32, b: 36 }, height: 260,
-        xaxis: { type: "date", visible: !empty, gridcolor: gridLines },
+        xaxis: { type: "date", visible: !empty, gridcolor: gridLines, range: around, autorange: !lone },
         yaxis: { ...yaxis(series[key], unit), visible: !empty, gridcolor: gridLines },
         shapes, annotations: [...labels, ...note], showlegend: false,
         paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: ink },
