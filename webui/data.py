@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from typing import Any
 
 from django.db.models import (
@@ -300,3 +301,126 @@ def decided(decision_id: int) -> str | None:
     if found["reason"] and kind in (EventKind.APPROVED, EventKind.OVERRIDDEN, EventKind.DISMISSED):
         text += f": {found['reason']}"
     return text
+
+
+# --- what a plan changes, and what it trades ------------------------------------------------
+
+# Pipelines up to this many have their layer cuts listed; beyond, only counted.
+CUTS_LISTED = 4
+
+
+def _holding(plan: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """Each device of ``plan`` -> the layers [from, to) its stage holds."""
+    return {
+        d: (s["layers"][0], s["layers"][1])
+        for p in plan.get("pipelines", [])
+        for s in p["stages"]
+        for d in s["devices"]
+    }
+
+
+def _shapes(plan: dict[str, Any]) -> str:
+    """ "2 pipelines of 4 stages, 1 of 3": the pipelines counted by their stage count."""
+    counts = Counter(len(p["stages"]) for p in plan.get("pipelines", []))
+    parts = [
+        f"{n} of {stages} stage{'s' if stages != 1 else ''}" for stages, n in sorted(counts.items())
+    ]
+    total = sum(counts.values())
+    return f"{total} pipeline{'s' if total != 1 else ''} ({', '.join(parts)})"
+
+
+def plan_changes(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
+    """What applying ``after`` over ``before`` changes, in a few sentences: the devices dropped
+    and added, the pipelines and their stages, the devices that keep their layers and those
+    that take others, and for a few pipelines where the layers are cut."""
+    if not before or not after or not before.get("pipelines") or not after.get("pipelines"):
+        return []
+    held, holds = _holding(before), _holding(after)
+    dropped = sorted(set(held) - set(holds))
+    added = sorted(set(holds) - set(held))
+    both = sorted(set(held) & set(holds))
+    moved = [d for d in both if held[d] != holds[d]]
+    said = [
+        f"Devices dropped: {_short(dropped) or 'none'}; devices added: {_short(added) or 'none'}.",
+        f"Pipelines: {_shapes(before)} → {_shapes(after)}.",
+        f"Of the {len(both)} devices in both, {len(both) - len(moved)} keep their layers and "
+        f"{len(moved)} take others" + (f" ({_short(moved)})." if moved else "."),
+    ]
+    if len(before["pipelines"]) <= CUTS_LISTED and len(after["pipelines"]) <= CUTS_LISTED:
+
+        def cuts(plan: dict[str, Any]) -> str:
+            return "; ".join(
+                " | ".join(f"{s['layers'][0]}–{s['layers'][1]}" for s in p["stages"])
+                for p in plan["pipelines"]
+            )
+
+        if cuts(before) != cuts(after):
+            said.append(f"Layers by stage: {cuts(before)} → {cuts(after)}.")
+    return said
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def tradeoff(rows: list[dict[str, Any]], marked: dict[str, Any] | None) -> str:
+    """The marked candidate's trade in words: the seconds without training against the
+    throughput after, beside the best other plan (equal plans are one choice)."""
+    if marked is None or not marked["ok"] or not marked["transition"] or not marked["throughput"]:
+        return ""
+    down, rate = marked["transition"]["total_s"], marked["throughput"]
+    text = (
+        f"#{marked['index']} ({marked['policy']}) stops training for about {down:.2f} s, then "
+        f"trains at {rate:.2f} samples/s."
+    )
+    same = {marked["index"]} | ({marked["same_as"]} if marked["same_as"] is not None else set())
+    others = [
+        r
+        for r in rows
+        if r["ok"] and r["throughput"] and r["transition"]
+        and r["index"] not in same and r["same_as"] not in same
+    ]  # fmt: skip
+    if not others:
+        return text + " No other policy's plan applies."
+    other = max(others, key=lambda r: r["objective"] or 0)
+    o_down, o_rate = other["transition"]["total_s"], other["throughput"]
+    name = f"#{other['index']} ({other['policy']})"
+    gain = o_rate / rate - 1
+    if o_rate > rate and o_down > down:
+        # the time from the failure after which the other plan has trained more samples
+        even = (o_rate * o_down - rate * down) / (o_rate - rate)
+        return text + (
+            f" {name} would stop it {o_down - down:.2f} s longer for {gain:.0%} more throughput "
+            f"after: it has trained more only {_minutes(even)} after the failure. The objective "
+            "(eq. 8) weighs that against the expected time to the next fault."
+        )
+    if o_rate < rate and o_down < down:
+        return text + (
+            f" {name} would stop it {down - o_down:.2f} s less but train {-gain:.0%} slower "
+            "after: over the expected time to the next fault the slower steps cost more than "
+            "the seconds saved (eq. 8)."
+        )
+    worse = o_rate <= rate and o_down >= down
+    return text + (
+        f" {name} would stop it for {o_down:.2f} s and train at {o_rate:.2f} samples/s: "
+        + ("no better either way." if worse else "better both ways.")
+    )
+
+
+def plan_before(decision: RecoveryDecision) -> Any:
+    """The plan the job ran when ``decision``'s failure came: the job's plan while nobody has
+    chosen, else the plan of the last recovery applied before it, else the job's first plan."""
+    job = Job.objects.only("plan", "scenario").get(pk=decision.job_id)
+    if decision.status in WAITING:
+        return job.plan
+    earlier = (
+        RecoveryDecision.objects.filter(
+            job_id=decision.job_id,
+            status=DecisionStatus.RECOVERED,
+            created_at__lt=decision.created_at,
+        )
+        .order_by("-created_at", "-pk")
+        .values_list("plan", flat=True)
+        .first()
+    )
+    return earlier or job.scenario.get("plan")

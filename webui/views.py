@@ -293,7 +293,12 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
     proposal = _proposal(decision)
     plan_text = json.dumps(proposal, indent=1) if proposal else ""
     too_big = len(plan_text) > PREFILL_LIMIT
+    decided = decision.status in DECIDED
+    marked = next((c for c in candidates if c["chosen" if decided else "proposed"]), None)
+    after = decision.plan if decided and decision.plan else proposal
     return {
+        "changes": data.plan_changes(data.plan_before(decision), after) if after else [],
+        "tradeoff": data.tradeoff(candidates, marked),
         "decision": decision,
         "job": decision.job,
         "failure": decision.failure,

@@ -693,3 +693,76 @@ def test_a_pages_script_is_told_the_session_ended_a_browser_is_sent_to_log_in() 
         assert asked.status_code == 401 and asked.json()["login"] == "/accounts/login/"
         browsed = Client().get(url, headers={"Accept": "text/html,application/json;q=0.9"})
         assert browsed.status_code == 302 and browsed["Location"].startswith("/accounts/login/")
+
+
+# --- what a plan changes, and what it trades ------------------------------------------------
+
+
+def pipeline(*stages: tuple[list[int], int, int], micro_batches: int = 8) -> dict[str, Any]:
+    return {
+        "stages": [{"devices": d, "layers": [a, b]} for d, a, b in stages],
+        "micro_batches": micro_batches,
+    }
+
+
+TWO_BY_TWO = {
+    "pipelines": [
+        pipeline(([0], 0, 16), ([1], 16, 32)),
+        pipeline(([2], 0, 16), ([3], 16, 32)),
+    ]
+}
+
+
+def test_a_plans_changes_name_the_devices_pipelines_and_layers_that_move() -> None:
+    replanned = {"pipelines": [pipeline(([0], 0, 11), ([1], 11, 22), ([2], 22, 32))]}
+    assert data.plan_changes(TWO_BY_TWO, replanned) == [
+        "Devices dropped: 3; devices added: none.",
+        "Pipelines: 2 pipelines (2 of 2 stages) → 1 pipeline (1 of 3 stages).",
+        "Of the 3 devices in both, 0 keep their layers and 3 take others (0, 1, 2).",
+        "Layers by stage: 0–16 | 16–32; 0–16 | 16–32 → 0–11 | 11–22 | 22–32.",
+    ]
+    swapped = copy.deepcopy(TWO_BY_TWO)
+    swapped["pipelines"][1]["stages"][1]["devices"] = [9]  # a spare in place of device 3
+    assert data.plan_changes(TWO_BY_TWO, swapped) == [
+        "Devices dropped: 3; devices added: 9.",
+        "Pipelines: 2 pipelines (2 of 2 stages) → 2 pipelines (2 of 2 stages).",
+        "Of the 3 devices in both, 3 keep their layers and 0 take others.",
+    ]
+    assert data.plan_changes(None, swapped) == [] and data.plan_changes(TWO_BY_TWO, {}) == []
+
+
+def row(index: int, policy: str, rate: float, down: float, **more: Any) -> dict[str, Any]:
+    return {"index": index, "policy": policy, "ok": True, "throughput": rate,
+            "transition": {"total_s": down}, "objective": rate * 3600 / (3600 + down),
+            "same_as": None, **more}  # fmt: skip
+
+
+def test_the_trade_is_told_in_seconds_down_against_throughput_after() -> None:
+    mine = row(0, "dynamic", 100.0, 2.0)
+    slower_start = row(1, "odyssey", 110.0, 12.0)
+    # the other plan has trained as many samples at x: 100 (x - 2) = 110 (x - 12), x = 112 s
+    told = data.tradeoff([mine, slower_start], mine)
+    assert told == (
+        "#0 (dynamic) stops training for about 2.00 s, then trains at 100.00 samples/s. "
+        "#1 (odyssey) would stop it 10.00 s longer for 10% more throughput after: it has "
+        "trained more only 112 s after the failure. The objective (eq. 8) weighs that against "
+        "the expected time to the next fault."
+    )
+    quicker = row(1, "checkpoint", 80.0, 1.0)
+    assert "would stop it 1.00 s less but train 20% slower after" in data.tradeoff(
+        [mine, quicker], mine
+    )
+    # a candidate with the same plan is the same choice, not an alternative
+    twin = row(2, "odyssey", 130.0, 0.5, same_as=0)
+    assert data.tradeoff([mine, twin], mine).endswith("No other policy's plan applies.")
+    assert data.tradeoff([mine, twin, quicker], mine).count("#2") == 0
+    assert data.tradeoff([mine], None) == ""
+
+
+def test_the_recovery_page_says_what_the_proposal_changes_and_trades() -> None:
+    decision = proposed("manual")  # device 5 of 8 crashed
+    page = text(client_as("viewer").get(f"/recoveries/{decision.pk}/"))
+    assert "What the proposal changes" in page
+    changes = re.search(r'<ul class="changes" id="changes">(.*?)</ul>', page, re.S)
+    assert changes is not None and "<li>Devices dropped: 5" in changes[1]
+    assert re.search(r'id="tradeoff">#\d+ \(\w+\) stops training for about [\d.]+ s', page)
