@@ -25,6 +25,7 @@ from django.db.models import (
 from django.db.models.fields.json import KT
 
 from controlplane.bridge.vocabulary import MEANINGS
+from controlplane.incidents import accuracy
 from controlplane.incidents.models import (
     OPEN,
     DecisionStatus,
@@ -424,3 +425,56 @@ def plan_before(decision: RecoveryDecision) -> Any:
         .first()
     )
     return earlier or job.scenario.get("plan")
+
+
+# --- the cost model against what happened ----------------------------------------------------
+
+MEASURED_LABELS = {
+    "transition_s": "Transition: from the fault to every agent's first step, without the wait "
+    "for an operator",
+    "step_time_s": f"Step time after: the job's, {accuracy.SETTLE_S:.0f} s after it recovered",
+}
+
+
+def estimate_rows(decision: RecoveryDecision) -> list[dict[str, Any]]:
+    """A recovered decision's estimates beside what was measured (``incidents.accuracy``):
+    stored once settled; before, the transition from its phases and the step time pending."""
+    if decision.status != DecisionStatus.RECOVERED:
+        return []
+    record = decision.accuracy
+    if record is None:
+        estimated = accuracy.estimates(decision) or {}
+        record = {
+            "transition_s": {
+                "estimated": estimated.get("transition_s"),
+                "measured": accuracy.measured_transition(decision),
+            },
+            "step_time_s": {"estimated": estimated.get("step_time_s"), "measured": None},
+        }
+    return [
+        {
+            "what": MEASURED_LABELS[metric],
+            "estimated": record[metric]["estimated"],
+            "measured": record[metric]["measured"],
+            "error": accuracy.error(record, metric),
+        }
+        for metric in accuracy.METRICS
+    ]
+
+
+def model_error(decisions: list[RecoveryDecision]) -> str:
+    """The cost model's running error over ``decisions`` that were measured, in a sentence."""
+    records = [d.accuracy for d in decisions if d.accuracy is not None]
+    summary = accuracy.running_error(records)
+    if not summary:
+        return ""
+    said = []
+    for metric, name in (("transition_s", "transitions"), ("step_time_s", "step times")):
+        if metric in summary:
+            e = summary[metric]
+            said.append(
+                f"{name} {'longer' if e['median'] >= 0 else 'shorter'} than estimated by "
+                f"{abs(e['median']):.0%} (median of {e['n']}; mean absolute error "
+                f"{e['mean_abs']:.0%})"
+            )
+    return "The cost model against what happened: " + "; ".join(said) + "."

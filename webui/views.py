@@ -26,11 +26,11 @@ from redis.exceptions import RedisError
 
 from controlplane.api.roles import Role, role_of
 from controlplane.api.serializers import MAX_WHAT_IF_DEVICES
-from controlplane.api.views import phases
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
 from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.incidents.phases import phases
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.models import Device, Job, JobStatus, Node, heavy
@@ -176,6 +176,7 @@ def parts_context(job: Job) -> dict[str, Any]:
         "recent": recent,
         "plan": data.plan_rows(job.plan),
         "drills": list(job.drills.select_related("node")[:DRILLS_SHOWN]),
+        "model_error": data.model_error(recent),  # the last 20 recoveries' measured ones
     }
 
 
@@ -298,6 +299,7 @@ def recovery_context(decision: RecoveryDecision) -> dict[str, Any]:
     after = decision.plan if decided and decision.plan else proposal
     return {
         "changes": data.plan_changes(data.plan_before(decision), after) if after else [],
+        "estimates": data.estimate_rows(decision),
         "tradeoff": data.tradeoff(candidates, marked),
         "decision": decision,
         "job": decision.job,
@@ -366,12 +368,14 @@ def attention(request: HttpRequest) -> HttpResponse:
 @needs(Role.VIEWER)
 def recovery_state(request: HttpRequest, pk: int) -> HttpResponse:
     """What the recovery page watches (recovery.js asks every few seconds): the decision's
-    status, how many timeline events it has, and who ended its wait for an operator."""
-    found = get_object_or_404(RecoveryDecision.objects.only("status"), pk=pk)
+    status, how many timeline events it has, whether the cost model was measured against it
+    (``incidents.accuracy``), and who ended its wait for an operator."""
+    found = get_object_or_404(RecoveryDecision.objects.only("status", "accuracy"), pk=pk)
     return JsonResponse(
         {
             "status": found.status,
             "events": found.events.count(),
+            "measured": found.accuracy is not None,
             "decided": data.decided(pk),
         }
     )

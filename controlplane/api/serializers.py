@@ -290,7 +290,7 @@ class SweepCreateSerializer(serializers.Serializer):
 
 
 class PhaseSerializer(serializers.Serializer):
-    """One phase of a recovery (``controlplane.api.views.phases``)."""
+    """One phase of a recovery (``controlplane.incidents.phases``)."""
 
     phase = serializers.ChoiceField(
         choices=["detect", "plan", "approve", "transfer", "restart", "first_step"]

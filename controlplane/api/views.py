@@ -7,7 +7,6 @@ import csv
 import datetime as dt
 import io
 import json
-from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 from django.db.models import Model, QuerySet
@@ -30,11 +29,11 @@ from controlplane.bridge.vocabulary import describe_policies
 from controlplane.incidents import decisions, drills
 from controlplane.incidents.models import (
     DecisionStatus,
-    EventKind,
     Failure,
     RecoveryDecision,
     TimelineEvent,
 )
+from controlplane.incidents.phases import phases
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
@@ -382,43 +381,6 @@ class FailureViewSet(BoundedIdMixin, viewsets.ReadOnlyModelViewSet):
         failures = Failure.objects.order_by("-detected_at", "-pk")
         job = _int_param(self.request, "job")
         return failures if job is None else failures.filter(job_id=job)
-
-
-# The phases of a recovery as the timeline records them: (phase, from event, to events); a
-# phase ends at the first of its end events, or, for the agents' acknowledgements, the last.
-PHASES: Sequence[tuple[str, str, tuple[str, ...]]] = (
-    ("plan", EventKind.PLANNING_STARTED, (EventKind.PROPOSED, EventKind.FAILED)),
-    (
-        "approve",
-        EventKind.PROPOSED,
-        (EventKind.APPROVED, EventKind.OVERRIDDEN, EventKind.AUTO_APPLIED),
-    ),
-    ("transfer", EventKind.APPLYING, (EventKind.COMMAND_ACKED,)),  # every agent has the plan
-    ("restart", EventKind.COMMAND_ACKED, (EventKind.RESUMED,)),  # every agent trains again
-    ("first_step", EventKind.RESUMED, (EventKind.FIRST_STEP,)),  # every agent made a step
-)
-LAST = frozenset({EventKind.COMMAND_ACKED})
-
-
-def phases(decision: RecoveryDecision, events: Sequence[TimelineEvent]) -> list[dict[str, Any]]:
-    """Detect, plan, approve, transfer, restart, first step: each phase's start, end and seconds
-    (null while it has not happened)."""
-    failure = decision.failure
-    out = [_phase("detect", failure.occurred_at, failure.detected_at)]
-    seen: dict[str, dt.datetime] = {}
-    for event in events:
-        if event.kind in LAST or event.kind not in seen:
-            seen[event.kind] = event.at
-    for name, start_kind, end_kinds in PHASES:
-        start = seen.get(start_kind)
-        ends = [seen[k] for k in end_kinds if k in seen]
-        out.append(_phase(name, start, min(ends) if ends and start else None))
-    return out
-
-
-def _phase(name: str, start: dt.datetime | None, end: dt.datetime | None) -> dict[str, Any]:
-    seconds = None if start is None or end is None else max((end - start).total_seconds(), 0.0)
-    return {"phase": name, "start": start, "end": end, "seconds": seconds}
 
 
 @extend_schema_view(

@@ -126,6 +126,12 @@ class RecoveryDecision(models.Model):
         "candidates keep the running plan or take the devices back (the core's grow), and the "
         "failure is the one the job lost them to",
     )
+    accuracy = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="recovered: the cost model's estimates beside what was measured "
+        "(incidents.accuracy)",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -26,7 +26,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from controlplane.incidents import decisions
+from controlplane.incidents import accuracy, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning, requeue_orphaned, requeue_overdue
 from controlplane.jobs import lifecycle, liveness, snapshot
@@ -339,7 +339,8 @@ class Lease:
 async def run(period_s: float | None = None, *, lease_ttl_s: float = LEASE_TTL_S) -> None:
     """Sweep forever, four times a heartbeat interval unless told otherwise, while this process
     holds the detectors' lease (``Lease``); every period also re-queue planning whose worker
-    died, every few seconds what a broker or worker restart left behind."""
+    died, every few seconds what a broker or worker restart left behind and measure the
+    recoveries that settled (``incidents.accuracy``)."""
     period_s = period_s or liveness.HEARTBEAT_INTERVAL_S / 4
     redis = liveness.client()
     lease = Lease(redis, f"{socket.gethostname()}:{os.getpid()}", lease_ttl_s)
@@ -361,6 +362,10 @@ async def run(period_s: float | None = None, *, lease_ttl_s: float = LEASE_TTL_S
                     await database_sync_to_async(requeue_overdue)()
                 except DatabaseError as exc:  # the next period tries again
                     log.warning("detector.overdue_failed", error=str(exc))
+                try:  # the cost model against what happened, once a recovery settled
+                    await database_sync_to_async(accuracy.measure_settled)()
+                except (DatabaseError, RedisError) as exc:  # the next period tries again
+                    log.warning("detector.measure_failed", error=str(exc))
                 next_overdue = time.monotonic() + OVERDUE_PERIOD_S
             await asyncio.sleep(period_s)
     finally:

@@ -24,7 +24,6 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.api.views import phases
 from controlplane.asgi import application
 from controlplane.incidents import applying
 from controlplane.incidents.models import (
@@ -33,6 +32,7 @@ from controlplane.incidents.models import (
     RecoveryDecision,
     TimelineEvent,
 )
+from controlplane.incidents.phases import phases
 from controlplane.jobs.models import Device, DeviceState, Job, JobStatus
 from controlplane.jobs.services import create_job
 from worker_agent import protocol

@@ -316,6 +316,13 @@ def test_a_recovery_timeline_is_drawn_and_exported(site: Site) -> None:
         timeout=45_000,
     )
     ops.page.wait_for_selector("#gantt .plot-container")
+    # the detector measures the step time once the recovery settled; the page follows
+    ops.page.wait_for_function(
+        "() => document.querySelectorAll('#estimates td').length === 6"
+        " && !document.getElementById('estimates').textContent.includes('not yet')",
+        timeout=30_000,
+    )
+    ops.page.wait_for_selector("#gantt .plot-container")
     ops.shot("recovery-timeline")
     exported = ops.context.request.get(site.url + ops.page.get_attribute("#export-json", "href"))
     kinds = [e["kind"] for e in exported.json()["results"]]

@@ -9,6 +9,7 @@
   const OPEN = ["planning", "proposed"];
   const watch = document.getElementById("watch");
   let status = watch.dataset.status, events = Number(watch.dataset.events);
+  let measured = watch.dataset.measured === "true";
   let asking = false, waiting = false, over = false;
 
   function wire() {
@@ -61,6 +62,7 @@
     const now = document.getElementById("watch");
     status = now.dataset.status;
     events = Number(now.dataset.events);
+    measured = now.dataset.measured === "true";
     waiting = false;
     wire();
   }
@@ -91,7 +93,7 @@
       }
       if (!answer.ok) return;
       const now = await answer.json();
-      if (now.status === status && now.events === events) return;
+      if (now.status === status && now.events === events && now.measured === measured) return;
       const forms = document.querySelector(".act form") !== null;
       if (forms && OPEN.includes(status) && !OPEN.includes(now.status)) conflict(now.decided || `it became ${now.status}`, now.status, true);
       else if (typed()) conflict(now.status === status ? "its timeline moved on" : `it became ${now.status}`, now.status, false);
