@@ -210,6 +210,7 @@ def job_context(job: Job) -> dict[str, Any]:
         "markers": markers,
         "recovery_url": reverse("webui:recovery", args=[0]),
         "parts_url": reverse("webui:parts", args=[job.pk]),
+        "metrics_url": f"/api/v1/jobs/{job.pk}/metrics/",
         **grid,
     }
     return {

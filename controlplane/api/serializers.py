@@ -298,3 +298,14 @@ class PhaseSerializer(serializers.Serializer):
     start = serializers.DateTimeField(allow_null=True, help_text="null until it started")
     end = serializers.DateTimeField(allow_null=True, help_text="null until it ended")
     seconds = serializers.FloatField(allow_null=True, help_text="end - start; null until both")
+
+
+class MetricPointSerializer(serializers.Serializer):
+    """One point of a job's training history (``controlplane.jobs.history``)."""
+
+    at = serializers.DateTimeField()
+    span_s = serializers.FloatField(help_text="the seconds a merged (older) point stands for")
+    step = serializers.IntegerField(allow_null=True)
+    loss = serializers.FloatField(allow_null=True)
+    samples_per_s = serializers.FloatField(allow_null=True)
+    step_time_s = serializers.FloatField(allow_null=True)

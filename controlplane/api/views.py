@@ -35,7 +35,7 @@ from controlplane.incidents.models import (
 )
 from controlplane.incidents.phases import phases
 from controlplane.incidents.tasks import enqueue_planning
-from controlplane.jobs import lifecycle, liveness, snapshot
+from controlplane.jobs import history, lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
 from controlplane.jobs.services import create_job, issue_agent_token, launch_job
 from controlplane.simulations import sweeps
@@ -228,6 +228,19 @@ class JobViewSet(
         given = s.WhatIfSerializer(data=request.data)
         given.is_valid(raise_exception=True)
         return Response(decisions.what_if(job, **given.validated_data))
+
+    @extend_schema(
+        responses={200: s.MetricPointSerializer(many=True)},
+        parameters=[query("since", dt.datetime, "points at or after this time (ISO 8601)")],
+    )
+    @action(detail=True, permission_classes=[CanRead], pagination_class=None)
+    def metrics(self, request: Request, pk: str | None = None) -> Response:
+        """The job's training history oldest first (step, loss, samples/s, step time), kept on
+        the server and downsampled: at most 2,000 points, older ones each standing for
+        ``span_s`` seconds; ``since`` keeps the later ones."""
+        job = self.get_object()
+        found = history.points(job.pk, _time(request, "since"))
+        return Response(s.MetricPointSerializer(found, many=True).data)
 
     @extend_schema(responses={200: dict, 503: error("Redis cannot be reached")})
     @action(detail=True, permission_classes=[CanRead])

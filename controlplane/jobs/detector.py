@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from controlplane.incidents import accuracy, decisions
 from controlplane.incidents.models import FailureSource
 from controlplane.incidents.tasks import enqueue_planning, requeue_orphaned, requeue_overdue
-from controlplane.jobs import lifecycle, liveness, snapshot
+from controlplane.jobs import history, lifecycle, liveness, snapshot
 from controlplane.jobs.models import Device, Job, Node, NodeStatus, heavy
 from controlplane.streaming import hub
 from worker_agent.protocol import plan_devices
@@ -340,11 +340,12 @@ async def run(period_s: float | None = None, *, lease_ttl_s: float = LEASE_TTL_S
     """Sweep forever, four times a heartbeat interval unless told otherwise, while this process
     holds the detectors' lease (``Lease``); every period also re-queue planning whose worker
     died, every few seconds what a broker or worker restart left behind and measure the
-    recoveries that settled (``incidents.accuracy``)."""
+    recoveries that settled (``incidents.accuracy``), every ``history.PERIOD_S`` a point of
+    every live job's training history (``jobs.history``)."""
     period_s = period_s or liveness.HEARTBEAT_INTERVAL_S / 4
     redis = liveness.client()
     lease = Lease(redis, f"{socket.gethostname()}:{os.getpid()}", lease_ttl_s)
-    next_overdue = 0.0
+    next_overdue = next_history = 0.0
     try:
         while True:
             leading = False
@@ -367,6 +368,12 @@ async def run(period_s: float | None = None, *, lease_ttl_s: float = LEASE_TTL_S
                 except (DatabaseError, RedisError) as exc:  # the next period tries again
                     log.warning("detector.measure_failed", error=str(exc))
                 next_overdue = time.monotonic() + OVERDUE_PERIOD_S
+            if leading and time.monotonic() >= next_history:
+                try:  # the jobs' training history, for pages opened later
+                    await database_sync_to_async(history.record_live)(liveness.sync_client())
+                except (DatabaseError, RedisError) as exc:  # the next period tries again
+                    log.warning("detector.history_failed", error=str(exc))
+                next_history = time.monotonic() + history.PERIOD_S
             await asyncio.sleep(period_s)
     finally:
         with contextlib.suppress(RedisError):  # a clean stop hands over at once

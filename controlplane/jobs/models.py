@@ -212,3 +212,21 @@ class AgentToken(models.Model):
             .filter(digest=token_digest(token), revoked_at__isnull=True, **filters)
             .first()
         )
+
+
+class MetricPoint(models.Model):
+    """One point of a job's training history, kept on the server so that a page loaded later
+    (or again) draws the run, not only what it saw live (``jobs/history.py``). Old points are
+    merged two into one as the job's history grows: at most ``history.MAX_POINTS`` a job."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="history")
+    at = models.DateTimeField(help_text="the point's time (the first, for merged points)")
+    span_s = models.FloatField(default=0.0, help_text="the seconds a merged point stands for")
+    step = models.BigIntegerField(null=True, blank=True)
+    loss = models.FloatField(null=True, blank=True)
+    samples_per_s = models.FloatField(null=True, blank=True)
+    step_time_s = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("at",)
+        indexes = (models.Index(fields=("job", "at")),)

@@ -406,11 +406,23 @@ def test_an_operator_injects_a_drill_from_the_job_page(site: Site) -> None:
 
 def test_the_dark_theme_follows_the_system_and_keeps_the_pages_readable(site: Site) -> None:
     viv = Browser(site, "viv", scheme="dark")
+    # the detector keeps the job's history, a point every 2 s: let it gather a few
+    metrics = f"{site.url}/api/v1/jobs/{site.made['live']}/metrics/"
+    deadline = time.monotonic() + 45
+    while len(viv.context.request.get(metrics).json()) < 8:
+        assert time.monotonic() < deadline, "the detector kept no history"
+        time.sleep(0.5)
     viv.go(f"/jobs/{site.made['live']}/")
-    viv.page.wait_for_function(
-        "() => Number(document.getElementById('stat-step').textContent) > 0", timeout=45_000
-    )
-    viv.page.wait_for_timeout(1500)  # the charts drawn
+    viv.page.wait_for_selector("#chart-loss .plot-container")
+    # the charts start from that history, not from the page's load
+    kept = viv.page.inner_text("#range-note")
+    assert int(kept.split()[0]) >= 8, kept
+    drawn = "() => document.getElementById('chart-loss').data[0].x.length"
+    assert viv.page.evaluate(drawn) >= int(kept.split()[0])
+    viv.page.wait_for_timeout(1500)  # a few live points after it
+    with viv.page.expect_response(lambda r: r.url.endswith("/metrics/")) as whole:
+        viv.page.select_option("#range", "0")  # the whole run: no `since`
+    assert whole.value.ok and len(whole.value.json()) >= int(kept.split()[0])
     viv.shot("job-dark")
     background = viv.page.evaluate("() => getComputedStyle(document.body).backgroundColor")
     ink = viv.page.evaluate("() => getComputedStyle(document.body).color")

@@ -9,7 +9,7 @@
   const COLOURS = { h: "#59a14f", s: "#edc948", f: "#e15759", p: "#9aa5b8", r: "#4e79a7", u: "#ffffff" };
   const NAMES = { h: "healthy", s: "suspect", f: "failed", p: "spare", r: "recovering", u: "unheard" };
   const LABELS = { ...NAMES, u: "not yet heard (its node has not said hello)" };
-  const HISTORY = 600; // points per chart: five minutes at two a second
+  const MOST_POINTS = 5000; // per chart: the server's history (2,000 at most) and what came live
   const canvas = document.getElementById("grid");
   const info = document.getElementById("grid-info");
   let stored = config.states; // the database's states, one letter a device
@@ -224,6 +224,44 @@
     stale = false;
   }
 
+  // --- the history kept on the server, over the range picked --------------------------------
+  const range = document.getElementById("range"), rangeNote = document.getElementById("range-note");
+  let rangeS = Number(range.value);
+
+  // the points older than the range (none for the whole run), and beyond MOST_POINTS, dropped
+  function trim() {
+    const oldest = rangeS ? Date.now() - rangeS * 1000 : -Infinity;
+    let drop = 0;
+    while (drop < series.t.length && (Date.parse(series.t[drop]) < oldest || series.t.length - drop > MOST_POINTS)) drop++;
+    if (drop) for (const key in series) series[key].splice(0, drop);
+  }
+
+  async function loadHistory() {
+    const since = rangeS ? `?since=${encodeURIComponent(new Date(Date.now() - rangeS * 1000).toISOString())}` : "";
+    try {
+      const answer = await fetch(config.metrics_url + since, { credentials: "same-origin", headers: { Accept: "application/json" } });
+      if (answer.status === 401) { document.dispatchEvent(new CustomEvent("pitstop:session-ended")); return; }
+      if (!answer.ok) { rangeNote.textContent = `history unavailable (${answer.status})`; return; }
+      const points = await answer.json();
+      const kept = { t: [], loss: [], rate: [], time: [] }; // the history, then what came live after it
+      for (const p of points) {
+        kept.t.push(p.at); kept.loss.push(p.loss); kept.rate.push(p.samples_per_s); kept.time.push(p.step_time_s);
+      }
+      const last = kept.t.length ? Date.parse(kept.t[kept.t.length - 1]) : -Infinity;
+      series.t.forEach((t, i) => {
+        if (Date.parse(t) > last) { kept.t.push(t); kept.loss.push(series.loss[i]); kept.rate.push(series.rate[i]); kept.time.push(series.time[i]); }
+      });
+      Object.assign(series, kept);
+      const coarse = points.filter((p) => p.span_s > 0).length;
+      rangeNote.textContent = `${points.length} points kept on the server${coarse ? `, ${coarse} of them averaged over longer spans` : ""}`;
+      trim();
+      replot();
+    } catch (error) {
+      rangeNote.textContent = "history unavailable (the network)";
+    }
+  }
+  range.addEventListener("change", () => { rangeS = Number(range.value); loadHistory(); });
+
   // at most once a second; while the tab is hidden only marked, and drawn when it shows
   function replot() {
     if (document.hidden) { stale = true; return; }
@@ -251,7 +289,7 @@
       series.loss.push(m.loss);
       series.rate.push(m.samples_per_s);
       series.time.push(m.step_time_s);
-      for (const key in series) if (series[key].length > HISTORY) series[key].shift();
+      trim();
       replot();
     }
     draw();
@@ -340,5 +378,6 @@
   computeLayout();
   draw();
   connect();
+  loadHistory();
   window.pitstopCharts.whenPlotly(plot);
 })();
