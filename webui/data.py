@@ -34,7 +34,7 @@ from controlplane.incidents.models import (
     TimelineEvent,
 )
 from controlplane.jobs import lifecycle
-from controlplane.jobs.models import Device, DeviceState, Job, Node, NodeStatus, heavy
+from controlplane.jobs.models import Device, DeviceState, Job, JobStatus, Node, NodeStatus, heavy
 
 # One letter a device in the grid's state strings (the browser's job.js reads the same).
 STATE_LETTER: dict[str, str] = {
@@ -72,9 +72,27 @@ def _chosen_policy() -> Case:
     )
 
 
-def jobs_overview() -> QuerySet[Job]:
-    """Every job with its devices by state, its current policy and its open decision, in one
-    query."""
+# The jobs list's sorts: the first needs an operator first, then the newest.
+JOB_SORTS: dict[str, tuple[str, ...]] = {
+    "attention": ("-needs_approval", "-created_at"),
+    "newest": ("-created_at",),
+    "oldest": ("created_at",),
+    "name": ("name",),
+    "status": ("status", "name"),
+}
+FINISHED = (JobStatus.STOPPED, JobStatus.FAILED)  # the archive holds these
+
+
+def jobs_overview(
+    *,
+    name: str = "",
+    status: str = "",
+    sort: str = "attention",
+    archived: bool | None = False,
+) -> QuerySet[Job]:
+    """Jobs with their devices by state, their current policy and their open decision, in one
+    query: ``name`` (part of it), ``status``, the running ones or the archive of finished ones
+    (``archived``; None for both), in ``JOB_SORTS[sort]`` order."""
     decisions = RecoveryDecision.objects.filter(job=OuterRef("pk"))
     current = decisions.filter(status__in=CHOSEN).order_by("-created_at", "-pk")
     open_ = decisions.filter(status__in=OPEN).order_by("-created_at", "-pk")
@@ -87,7 +105,11 @@ def jobs_overview() -> QuerySet[Job]:
             open_status=Subquery(open_.values("status")[:1]),
             needs_approval=Exists(decisions.filter(status=DecisionStatus.PROPOSED)),
         )
-        .order_by("-needs_approval", "-created_at")
+        .filter(**({"name__icontains": name} if name else {}))
+        .filter(**({"status": status} if status else {}))
+        .exclude(**({"status__in": FINISHED} if archived is False else {}))
+        .filter(**({"status__in": FINISHED} if archived else {}))
+        .order_by(*JOB_SORTS[sort], "-pk")
     )
 
 

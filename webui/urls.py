@@ -20,6 +20,7 @@ urlpatterns = [
     path("recoveries/<int:pk>/override/", views.recovery_override, name="override"),
     path("recoveries/<int:pk>/dismiss/", views.recovery_dismiss, name="dismiss"),
     path("attention/", views.attention, name="attention"),
+    path("incidents/", views.incidents, name="incidents"),
     path("simulations/", views.simulations, name="simulations"),
     path("simulations/<int:pk>/", views.simulation_detail, name="simulation"),
 ]

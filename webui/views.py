@@ -9,18 +9,22 @@ the forms carry Django's CSRF token.
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import json
 import math
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib.auth.views import redirect_to_login
+from django.core.paginator import Paginator
 from django.db.models.fields.json import KT, KeyTextTransform, KeyTransform
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 from redis.exceptions import RedisError
 
@@ -104,15 +108,52 @@ def _live(job_ids: list[int]) -> dict[int, dict[str, Any]]:
         return {}
 
 
+# The jobs list's views of the jobs: those running (and waiting), the archive, or all.
+SHOWS = {"running": False, "archived": True, "all": None}
+
+
 @needs(Role.VIEWER)
 def jobs(request: HttpRequest) -> HttpResponse:
-    found = list(data.jobs_overview())
+    """The jobs, filtered by name and status, sorted, the finished ones in an archive; a
+    filter it cannot read is named, and the list shown unfiltered by it."""
+    given = request.GET
+    errors: list[str] = []
+
+    def pick(field: str, allowed: Any, default: str) -> str:
+        value = given.get(field, default)
+        if value not in allowed:
+            errors.append(f"{field}: {value[:40]!r} is not one of {', '.join(map(str, allowed))}")
+            return default
+        return str(value)
+
+    chosen = {
+        "name": given.get("name", "").strip()[:200],
+        "status": pick("status", ["", *JobStatus.values], ""),
+        "sort": pick("sort", list(data.JOB_SORTS), "attention"),
+        "show": pick("show", list(SHOWS), "running"),
+    }
+    found = list(
+        data.jobs_overview(
+            name=chosen["name"],
+            status=chosen["status"],
+            sort=chosen["sort"],
+            archived=SHOWS[chosen["show"]],
+        )
+    )
     live = _live([j.pk for j in found if j.status not in (JobStatus.STOPPED, JobStatus.FAILED)])
     for job in found:
         job.live = live.get(job.pk, {})  # type: ignore[attr-defined]
         step = job.live.get("step")  # type: ignore[attr-defined]
         job.shown_step = job.step if step is None else step  # type: ignore[attr-defined]
-    return page(request, "webui/jobs.html", {"jobs": found})
+    context = {
+        "jobs": found,
+        "chosen": chosen,
+        "errors": errors,
+        "statuses": JobStatus.values,
+        "sorts": list(data.JOB_SORTS),
+        "archived_count": Job.objects.filter(status__in=data.FINISHED).count(),
+    }
+    return page(request, "webui/jobs.html", context)
 
 
 def _job(pk: int) -> Job:
@@ -701,3 +742,62 @@ def simulation_detail(request: HttpRequest, pk: int) -> HttpResponse:
             },
         },
     )
+
+
+# --- incidents -----------------------------------------------------------------------------
+
+INCIDENTS_A_PAGE = 50
+# The incidents page's time filter: the last hour, day, week, or all of them.
+WITHIN = {"hour": dt.timedelta(hours=1), "day": dt.timedelta(days=1),
+          "week": dt.timedelta(weeks=1), "all": None}  # fmt: skip
+
+
+@needs(Role.VIEWER)
+def incidents(request: HttpRequest) -> HttpResponse:
+    """Every job's failures and what was decided about them, newest first, filtered by job,
+    kind, decision status and time; a filter it cannot read is named and left out."""
+    given = request.GET
+    errors: list[str] = []
+
+    def pick(field: str, allowed: list[str], default: str = "") -> str:
+        value = given.get(field, default)
+        if value not in allowed:
+            errors.append(f"{field}: {value[:40]!r} is not one of {', '.join(allowed)}")
+            return default
+        return value
+
+    jobs_known = list(Job.objects.order_by("name").values_list("pk", "name"))
+    chosen = {
+        "job": pick("job", ["", *(str(pk) for pk, _ in jobs_known)]),
+        "kind": pick("kind", ["", *(k.value for k in FailureKind)]),
+        "status": pick("status", ["", *DecisionStatus.values]),
+        "within": pick("within", list(WITHIN), "all"),
+    }
+    found = (
+        RecoveryDecision.objects.select_related("failure", "job", "chosen_by")
+        .defer("decision", "plan", *heavy("job"))
+        .order_by("-failure__detected_at", "-pk")
+    )
+    if chosen["job"]:
+        found = found.filter(job_id=int(chosen["job"]))
+    if chosen["kind"]:
+        found = found.filter(failure__kind=chosen["kind"])
+    if chosen["status"]:
+        found = found.filter(status=chosen["status"])
+    window = WITHIN[chosen["within"]]
+    if window is not None:
+        found = found.filter(failure__detected_at__gte=timezone.now() - window)
+    pages = Paginator(found, INCIDENTS_A_PAGE)
+    shown = pages.get_page(given.get("page"))
+    query = {k: v for k, v in chosen.items() if v and not (k == "within" and v == "all")}
+    context = {
+        "incidents": shown,
+        "chosen": chosen,
+        "errors": errors,
+        "jobs_known": jobs_known,
+        "kinds": [k.value for k in FailureKind],
+        "statuses": DecisionStatus.values,
+        "within": list(WITHIN),
+        "query": urlencode(query),
+    }
+    return page(request, "webui/incidents.html", context)

@@ -432,6 +432,37 @@ def test_the_dark_theme_follows_the_system_and_keeps_the_pages_readable(site: Si
     viv.close()
 
 
+def test_a_viewer_digs_through_the_incidents_and_the_jobs_archive(site: Site) -> None:
+    viv = Browser(site, "viv")
+    viv.page.click("nav >> text=Incidents")
+    viv.page.wait_for_selector("#incidents tbody tr")
+    every = viv.page.locator("#incidents tbody tr").count()
+    assert every >= 2  # the two manual jobs' failures at least
+    viv.page.select_option("#f-job", label="approve-me")
+    viv.page.click("#incident-filters button")
+    viv.page.wait_for_url("**/incidents/?*job=*")
+    rows = viv.page.locator("#incidents tbody tr")
+    assert rows.count() == 1 and "approve-me" in rows.first.inner_text()
+    viv.shot("incidents")
+    viv.page.click("nav >> text=Jobs")
+    viv.page.fill("#f-name", "me")  # approve-me, override-me
+    viv.page.select_option("#f-sort", "name")
+    viv.page.click("#job-filters button")
+    viv.page.wait_for_url("**/jobs/?*name=me*")
+    listed = viv.page.locator("table.jobs tbody th a").all_inner_texts()
+    assert listed == ["approve-me", "override-me"], listed
+    viv.page.click("#archive")
+    viv.page.wait_for_selector("text=No job matches.")  # no job of this stack finished
+    viv.shot("jobs-archive")
+    narrow = Browser(site, "viv", width=390, height=844)
+    for path in ("/incidents/", "/jobs/?show=all"):
+        narrow.go(path)
+        fits = "document.documentElement.scrollWidth <= window.innerWidth"
+        assert narrow.page.evaluate(fits), f"{path} is wider than a phone"
+    narrow.close()
+    viv.close()
+
+
 def test_a_logout_in_another_tab_stops_the_live_page_and_says_so(site: Site) -> None:
     ops = Browser(site, "ops")
     ops.go(f"/jobs/{site.made['live']}/")

@@ -4,6 +4,7 @@ writing nothing, static files, and query budgets that do not grow with the jobs 
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import gzip
 import importlib.metadata
 import json
@@ -766,3 +767,79 @@ def test_the_recovery_page_says_what_the_proposal_changes_and_trades() -> None:
     changes = re.search(r'<ul class="changes" id="changes">(.*?)</ul>', page, re.S)
     assert changes is not None and "<li>Devices dropped: 5" in changes[1]
     assert re.search(r'id="tradeoff">#\d+ \(\w+\) stops training for about [\d.]+ s', page)
+
+
+# --- the jobs list's filters and archive, the incidents page -----------------------------------
+
+
+def names_listed(page: str) -> list[str]:
+    return re.findall(r'<th scope="row"><a href="/jobs/\d+/">([^<]+)</a>', page)
+
+
+def test_the_jobs_list_filters_sorts_and_keeps_finished_jobs_in_an_archive() -> None:
+    for name, status in (("alpha", "running"), ("beta", "stopped"), ("gamma", "failed"),
+                         ("delta", "pending")):  # fmt: skip
+        job, _ = create_job(name, copy.deepcopy(SCENARIO))
+        Job.objects.filter(pk=job.pk).update(status=status)
+    viewer = client_as("viewer")
+
+    def listed(**query: str) -> list[str]:
+        return names_listed(text(viewer.get("/jobs/", query)))
+
+    assert sorted(listed()) == ["alpha", "delta"]  # running and waiting: not the finished
+    assert sorted(listed(show="archived")) == ["beta", "gamma"]
+    assert "Archive of finished jobs (2)" in text(viewer.get("/jobs/"))
+    assert listed(show="all", sort="name") == ["alpha", "beta", "delta", "gamma"]
+    assert listed(show="all", sort="oldest") == ["alpha", "beta", "gamma", "delta"]
+    assert listed(show="all", sort="newest") == ["delta", "gamma", "beta", "alpha"]
+    assert listed(name="AL") == ["alpha"] and listed(show="all", status="stopped") == ["beta"]
+    refused = text(viewer.get("/jobs/", {"sort": "size", "status": "asleep"}))
+    assert "sort: &#x27;size&#x27; is not one of attention, newest" in refused
+    assert "status: &#x27;asleep&#x27; is not one of" in refused
+    assert sorted(names_listed(refused)) == ["alpha", "delta"]  # the defaults, not nothing
+    assert "No job matches." in text(viewer.get("/jobs/", {"name": "zeta"}))
+
+
+def test_the_incidents_page_lists_every_jobs_failures_with_filters_and_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = proposed("manual")  # crash of device 5
+    second = proposed("auto")
+    old_job, _ = create_job("old-one", copy.deepcopy(SCENARIO))
+    _, old = decisions.record_failure(
+        old_job, kind="node_lost", devices=[0, 1, 2, 3], source=FailureSource.SOCKET,
+        occurred_at=timezone.now(),
+    )  # fmt: skip
+    Failure.objects.filter(pk=old.failure_id).update(
+        detected_at=timezone.now() - dt.timedelta(days=2)
+    )
+    viewer = client_as("viewer")
+
+    def shown(**query: str) -> list[int]:
+        page = text(viewer.get("/incidents/", query))
+        return [int(n) for n in re.findall(r'<a href="/recoveries/(\d+)/">#', page)]
+
+    assert shown() == [second.pk, first.pk, old.pk]  # newest detected first
+    assert shown(job=str(first.job_id)) == [first.pk]
+    assert shown(kind="node_lost") == [old.pk] and shown(kind="crash") == [second.pk, first.pk]
+    assert shown(status="proposed") == [first.pk]
+    assert shown(within="day") == [second.pk, first.pk]
+    refused = text(viewer.get("/incidents/", {"kind": "meteor"}))
+    assert "kind: &#x27;meteor&#x27; is not one of" in refused and len(shown(kind="meteor")) == 3
+    monkeypatch.setattr(webui_views, "INCIDENTS_A_PAGE", 2)
+    paged = text(viewer.get("/incidents/", {"kind": "crash", "within": "all"}))
+    assert "page 1 of 1 " not in paged
+    both = text(viewer.get("/incidents/"))
+    assert "page 1 of 2 (3 incidents)" in both and 'href="?page=2" rel="next"' in both
+    crashes = text(viewer.get("/incidents/", {"kind": "crash", "within": "week"}))
+    assert "page 1 of 2" not in crashes  # two crashes: one page
+    filtered = text(viewer.get("/incidents/", {"status": "", "within": "week"}))
+    assert 'href="?within=week&amp;page=2" rel="next"' in filtered  # the filter kept
+    assert shown(page="2") == [old.pk]
+    RecoveryDecision.objects.filter(pk=second.pk).update(
+        accuracy={"transition_s": {"estimated": 2.0, "measured": 1.25}}
+    )
+    cells = re.findall(r"<td>([^<]*)</td>\s*</tr>", text(viewer.get("/incidents/")))
+    assert cells == ["1.25 s", "—"]  # the newest two: measured, and not yet
+    assert Client().get("/incidents/").status_code == 302
+    assert client_as(None).get("/incidents/").status_code == 403
