@@ -11,6 +11,7 @@ urlpatterns = [
     path("jobs/", views.jobs, name="jobs"),
     path("jobs/<int:pk>/", views.job_detail, name="job"),
     path("jobs/<int:pk>/parts/", views.job_parts, name="parts"),
+    path("jobs/<int:pk>/nodes/<str:name>/", views.node_detail, name="node"),
     path("jobs/<int:pk>/what-if/", views.what_if, name="what_if"),
     path("jobs/<int:pk>/drills/", views.job_drill, name="drill"),
     path("recoveries/<int:pk>/", views.recovery_detail, name="recovery"),

@@ -33,7 +33,7 @@ from controlplane.api.serializers import MAX_WHAT_IF_DEVICES
 from controlplane.bridge import rows
 from controlplane.bridge.vocabulary import COLOURS, FailureKind, describe_policies
 from controlplane.incidents import decisions, drills
-from controlplane.incidents.models import DecisionStatus, RecoveryDecision
+from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecision
 from controlplane.incidents.phases import phases
 from controlplane.incidents.tasks import enqueue_planning
 from controlplane.jobs import liveness, snapshot
@@ -252,6 +252,7 @@ def job_context(job: Job) -> dict[str, Any]:
         "recovery_url": reverse("webui:recovery", args=[0]),
         "parts_url": reverse("webui:parts", args=[job.pk]),
         "metrics_url": f"/api/v1/jobs/{job.pk}/metrics/",
+        "node_url": reverse("webui:node", args=[job.pk, "__node__"]),
         **grid,
     }
     return {
@@ -801,3 +802,68 @@ def incidents(request: HttpRequest) -> HttpResponse:
         "query": urlencode(query),
     }
     return page(request, "webui/incidents.html", context)
+
+
+# --- a node and its devices ----------------------------------------------------------------
+
+
+def _outcome(ok: bool | None, error: str, done: str) -> str:
+    return done if ok else f"refused: {error}" if ok is False else "sent"
+
+
+def _node_history(node: Node, failures: list[Failure]) -> list[dict[str, Any]]:
+    """What happened to a node, newest first: expected, joined, its failures, the commands
+    and drills sent to it."""
+    said: list[dict[str, Any]] = []
+    if node.expected_at:
+        said.append({"at": node.expected_at, "what": "expected (named in the job's scenario)"})
+    if node.joined_at:
+        said.append({"at": node.joined_at, "what": "joined: its agent said hello"})
+    for f in failures:
+        devices = ", ".join(map(str, f.devices[:8])) + (" …" if len(f.devices) > 8 else "")
+        said.append({"at": f.detected_at, "what": f"failed: {f.kind} of {devices}", "failure": f})
+    for c in node.commands.order_by("-created_at")[:NODE_EVENTS_SHOWN]:
+        what = f"command {c.action}: {_outcome(c.ok, c.error, 'acknowledged')}"
+        said.append({"at": c.created_at, "what": what, "decision": c.decision_id})
+    for d in node.drills.order_by("-created_at")[:NODE_EVENTS_SHOWN]:
+        what = f"drill {d.kind} by {d.requested_by}: {_outcome(d.ok, d.error, 'done')}"
+        said.append({"at": d.created_at, "what": what})
+    return sorted(said, key=lambda e: e["at"], reverse=True)[:NODE_EVENTS_SHOWN]
+
+
+NODE_EVENTS_SHOWN = 50  # the newest failures, commands and drills of a node's page
+
+
+@needs(Role.VIEWER)
+def node_detail(request: HttpRequest, pk: int, name: str) -> HttpResponse:
+    """One node of a job: its state and history (expected, joined, failures, commands, drills),
+    its last heartbeat and every device's stored and heard state, with the failures that
+    touched each."""
+    job = _job(pk)
+    node = get_object_or_404(Node, job=job, name=name)
+    devices = list(node.devices.order_by("index").values("index", "state"))
+    indices = {d["index"] for d in devices}
+    failures = list(node.failures.order_by("-detected_at")[:NODE_EVENTS_SHOWN])
+    heard = None
+    try:
+        found = snapshot.latest(liveness.sync_client(), job.pk)
+        heard = next((n for n in found["nodes"] if n["node"] == node.name), None)
+    except RedisError:
+        pass
+    beats = heard["devices"] if heard else {}
+    touched: dict[int, list[Failure]] = {}  # a device -> the job's recent failures naming it
+    for failure in Failure.objects.filter(job=job).order_by("-detected_at")[:500]:
+        for device in set(failure.devices) & indices:
+            touched.setdefault(device, []).append(failure)
+    history = _node_history(node, failures)
+    context = {
+        "job": job,
+        "node": node,
+        "heard": heard,
+        "devices": [
+            {**d, "beat": beats.get(str(d["index"])), "failures": touched.get(d["index"], [])}
+            for d in devices
+        ],
+        "history": history,
+    }
+    return page(request, "webui/node.html", context)

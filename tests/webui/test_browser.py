@@ -204,7 +204,8 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     ops.page.focus("#grid")
     for _ in range(5):
         ops.page.keyboard.press("ArrowRight")
-    assert ops.page.inner_text("#grid-info") == "Device 5 on node-1: failed"
+    said = ops.page.inner_text("#grid-info")
+    assert said == "Device 5 on node-1: failed (click, or Enter, for its node)", said
     # the server-drawn parts follow without a reload: the recovery listed, then the new plan
     ops.page.wait_for_selector("#part-recent a[href^='/recoveries/']", timeout=30_000)
     ops.page.wait_for_function(
@@ -216,6 +217,15 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     assert running and not running & {4, 5, 6, 7}, f"the plan shown still runs on {running}"
     ops.page.locator("#recent-h").scroll_into_view_if_needed()
     ops.shot("job-recovered-live")
+    # Enter on the grid's cursor (device 5) opens its node's page, at the device
+    ops.page.focus("#grid")
+    ops.page.keyboard.press("Enter")
+    ops.page.wait_for_url("**/nodes/node-1/#device-5")
+    row = ops.page.inner_text("#device-5")
+    assert "failed" in row and "node_lost at" in row, row
+    assert "failed: node_lost of 4, 5, 6, 7" in ops.page.inner_text("#node-history")
+    assert ops.page.inner_text("#last-beat") == "no heartbeat heard now"  # killed
+    ops.shot("node")
     ops.close()
 
 

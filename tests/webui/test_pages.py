@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from controlplane.incidents import decisions
 from controlplane.incidents.models import (
+    AgentCommand,
     DecisionStatus,
     Drill,
     Failure,
@@ -843,3 +844,31 @@ def test_the_incidents_page_lists_every_jobs_failures_with_filters_and_pages(
     assert cells == ["1.25 s", "—"]  # the newest two: measured, and not yet
     assert Client().get("/incidents/").status_code == 302
     assert client_as(None).get("/incidents/").status_code == 403
+
+
+def test_a_nodes_page_shows_its_devices_failures_and_commands() -> None:
+    job, _ = create_job("nodes-page", copy.deepcopy(SCENARIO), approval_mode="auto")
+    node = Node.objects.get(job=job, devices__index=5)
+    _, decision = decisions.record_failure(
+        job, kind="crash", devices=[5], source=FailureSource.AGENT, occurred_at=timezone.now(),
+        node=node, message="rank 5 exited with code -9",
+    )  # fmt: skip
+    decisions.plan(decision.pk)
+    AgentCommand.objects.create(decision=decision, node=node, action="apply_plan", frame={},
+                                ok=True)  # fmt: skip
+    viewer = client_as("viewer")
+    url = f"/jobs/{job.pk}/nodes/{node.name}/"
+    page = text(viewer.get(url))
+    row = re.search(r'<tr id="device-5">(.*?)</tr>', page, re.S)
+    assert row is not None and '<span class="badge failed">failed</span>' in row[1]
+    assert "crash at" in row[1]
+    others = [int(i) for i in re.findall(r'<tr id="device-(\d+)">', page)]
+    assert others == sorted(Device.objects.filter(node=node).values_list("index", flat=True))
+    history = re.search(r'<ol class="events" id="node-history">(.*?)</ol>', page, re.S)
+    assert history is not None and "failed: crash of 5" in history[1]
+    assert "rank 5 exited with code -9" in history[1] and "(rank 5 exited" in row[1]
+    assert history[1].count("command apply_plan: acknowledged") == 1
+    assert f'href="/recoveries/{decision.pk}/"' in history[1]
+    assert viewer.get(f"/jobs/{job.pk}/nodes/node-99/").status_code == 404
+    assert client_as(None).get(url).status_code == 403
+    assert f'"node_url": "/jobs/{job.pk}/nodes/__node__/"' in text(viewer.get(f"/jobs/{job.pk}/"))

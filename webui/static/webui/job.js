@@ -129,18 +129,33 @@
 
   function describe(device) {
     const node = config.nodes.find((n) => device >= n[1] && device < n[1] + n[2]);
-    info.textContent = `Device ${device} on ${node ? node[0] : "?"}: ${LABELS[stateOf(device)]}`;
+    info.textContent = `Device ${device} on ${node ? node[0] : "?"}: ${LABELS[stateOf(device)]} (click, or Enter, for its node)`;
   }
 
-  canvas.addEventListener("mousemove", (event) => {
+  // the device under the pointer, or null; a click (or Enter on the cursor) opens its node's page
+  function pointed(event) {
     const box = canvas.getBoundingClientRect();
     const x = event.clientX - box.left, y = event.clientY - box.top;
-    if (y % layout.rowHeight < layout.label) return; // a name, not a device
     const node = Math.floor(y / layout.rowHeight) * layout.perRow + Math.floor(x / layout.nodeWidth);
+    if (node >= config.nodes.length) return null;
+    if (y % layout.rowHeight < layout.label) return config.nodes[node][1]; // its name: its first device
     const slot = Math.floor((x % layout.nodeWidth) / layout.cell);
-    if (node < config.nodes.length && slot < config.nodes[node][2]) describe(config.nodes[node][1] + slot);
+    return slot < config.nodes[node][2] ? config.nodes[node][1] + slot : null;
+  }
+  function open(device) {
+    const node = config.nodes.find((n) => device >= n[1] && device < n[1] + n[2]);
+    if (node) location.assign(`${config.node_url.replace("__node__", encodeURIComponent(node[0]))}#device-${device}`);
+  }
+  canvas.addEventListener("mousemove", (event) => {
+    const device = pointed(event);
+    if (device !== null) describe(device);
+  });
+  canvas.addEventListener("click", (event) => {
+    const device = pointed(event);
+    if (device !== null) open(device);
   });
   canvas.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") { open(cursor); return; }
     const steps = { ArrowRight: 1, ArrowLeft: -1, ArrowDown: layout.perNode * layout.perRow, ArrowUp: -layout.perNode * layout.perRow };
     if (!(event.key in steps)) return;
     event.preventDefault();
