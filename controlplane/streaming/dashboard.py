@@ -70,7 +70,8 @@ def may_watch(user: Any, job_id: int) -> int | None:
 
 
 def signature(job_id: int) -> tuple[Any, ...] | None:
-    """What changes when a failure, a decision or the devices' stored states do: one query."""
+    """What changes when a failure, a decision, a drill or the devices' stored states do: one
+    query."""
     decisions = RecoveryDecision.objects.filter(job=OuterRef("pk")).order_by("-updated_at", "-pk")
     failures = Failure.objects.filter(job=OuterRef("pk")).order_by("-pk")
     drills = Drill.objects.filter(job=OuterRef("pk")).order_by("-created_at")
