@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             processes.stop_all(last=["server"])
     report(results)
-    write_results(args.out, {"benchmark": "dashboard_load", **results})
+    write_results(args.out, {"benchmark": "dashboard_load", "results": results})
     return 0
 
 

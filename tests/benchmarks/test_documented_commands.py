@@ -74,6 +74,8 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
         *("--paths", "ddp-reroute", "--steps-before", "3", "--steps-after", "3"),
         *("--timeout", "40"),
     ),
+    # a tab open 2 s, one cold load of each page, one simulated node (Chromium's start is most)
+    ("benchmarks.dashboard_load", None): ("--seconds", "2", "--loads", "1", "--nodes", "1"),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),
