@@ -108,6 +108,20 @@ def _live(job_ids: list[int]) -> dict[int, dict[str, Any]]:
         return {}
 
 
+def _filter_reader(given: Any, errors: list[str]) -> Callable[..., str]:
+    """A list page's filter reader: ``pick(field, allowed, default)`` is the given value if it
+    is one of ``allowed``; otherwise it names the field in ``errors`` and gives the default."""
+
+    def pick(field: str, allowed: list[str], default: str = "") -> str:
+        value = str(given.get(field, default))
+        if value not in allowed:
+            errors.append(f"{field}: {value[:40]!r} is not one of {', '.join(allowed)}")
+            return default
+        return value
+
+    return pick
+
+
 # The jobs list's views of the jobs: those running (and waiting), the archive, or all.
 SHOWS = {"running": False, "archived": True, "all": None}
 
@@ -119,12 +133,7 @@ def jobs(request: HttpRequest) -> HttpResponse:
     given = request.GET
     errors: list[str] = []
 
-    def pick(field: str, allowed: Any, default: str) -> str:
-        value = given.get(field, default)
-        if value not in allowed:
-            errors.append(f"{field}: {value[:40]!r} is not one of {', '.join(map(str, allowed))}")
-            return default
-        return str(value)
+    pick = _filter_reader(given, errors)
 
     chosen = {
         "name": given.get("name", "").strip()[:200],
@@ -760,12 +769,7 @@ def incidents(request: HttpRequest) -> HttpResponse:
     given = request.GET
     errors: list[str] = []
 
-    def pick(field: str, allowed: list[str], default: str = "") -> str:
-        value = given.get(field, default)
-        if value not in allowed:
-            errors.append(f"{field}: {value[:40]!r} is not one of {', '.join(allowed)}")
-            return default
-        return value
+    pick = _filter_reader(given, errors)
 
     jobs_known = list(Job.objects.order_by("name").values_list("pk", "name"))
     chosen = {
