@@ -363,9 +363,21 @@
   // 4401: the session ended; 4403: not allowed (any more); 4404: the job is gone. No retry.
   const FINAL = { 4401: "session ended", 4403: "not allowed", 4404: "the job was deleted" };
 
+  // Whoever learns first that the session ended (this socket's 4401 or a page fetch's 401)
+  // stops the live view: the socket is closed and not opened again.
+  let socket = null, sessionOver = false;
+  document.addEventListener("pitstop:session-ended", () => {
+    if (sessionOver) return;
+    sessionOver = true;
+    markStale(true);
+    document.getElementById("live-state").textContent = `stopped: ${FINAL[4401]}`;
+    if (socket) socket.close();
+  });
+
   function connect() {
+    if (sessionOver) return;
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const socket = new WebSocket(`${scheme}://${location.host}${config.socket}`);
+    socket = new WebSocket(`${scheme}://${location.host}${config.socket}`);
     const state = document.getElementById("live-state");
     socket.onopen = () => {
       state.textContent = "connected";
@@ -380,6 +392,7 @@
     };
     socket.onclose = (event) => {
       markStale(true);
+      if (sessionOver) return;
       if (event.code in FINAL) {
         state.textContent = `stopped: ${FINAL[event.code]}`;
         if (event.code === 4401) document.dispatchEvent(new CustomEvent("pitstop:session-ended"));
