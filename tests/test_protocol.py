@@ -157,6 +157,8 @@ BOUNDED: list[tuple[dict[str, Any], str, float, float]] = [
     (FAULT, "at", 0, protocol.MAX_TIMESTAMP_S),
     (FAULT, "step", 0, protocol.MAX_STEP),
     (FAULT, "devices.0", 0, protocol.MAX_DEVICE_ID),
+    (FAULT, "pid", 1, protocol.MAX_PID),
+    (FAULT, "exit_code", -255, 255),
     (ACK, "at", 0, protocol.MAX_TIMESTAMP_S),
     (PROFILE, "seq", 0, protocol.MAX_SEQ),
     (PROFILE, "micro_batches", 1, protocol.MAX_MICRO_BATCHES),
@@ -204,6 +206,7 @@ def test_every_number_out_of_its_range_is_refused_naming_its_field(
         (HELLO, "node"),
         (HELLO, "job"),
         (FAULT, "message"),
+        ({**FAULT, "log": ["ok", "x"]}, "log.1"),
         (ACK, "command"),
         (HELLO, "agent"),
         (PROFILE, "modules.0.name"),
@@ -224,6 +227,27 @@ def test_an_error_frame_quoting_any_input_is_itself_valid(key: str, message: str
     """The server's error frame names the field at fault, which may be the agent's own key."""
     frame = ProtocolError(ErrorCode.INVALID, message, field=key).frame(seq=3)
     assert protocol.parse_server_frame(protocol.encode(frame)) == frame
+
+
+def test_a_faults_log_is_bounded_in_lines_and_in_their_length() -> None:
+    most = ["x" * protocol.MAX_LOG_LINE] * protocol.MAX_LOG_LINES
+    frame = protocol.parse_agent_frame(json.dumps({**FAULT, "log": most}))
+    assert isinstance(frame, protocol.Fault) and frame.log == most
+    assert refused(json.dumps({**FAULT, "log": [*most, "x"]})).field == "log"
+    long = ["y" * (protocol.MAX_LOG_LINE + 1)]
+    assert refused(json.dumps({**FAULT, "log": long})).field == "log.0"
+
+
+@given(line=st.text(max_size=2 * protocol.MAX_LOG_LINE))
+def test_any_line_a_process_writes_is_made_fit_for_a_fault(line: str) -> None:
+    fitted = protocol.log_line(line)
+    frame = protocol.parse_agent_frame(json.dumps({**FAULT, "log": [fitted]}))
+    assert isinstance(frame, protocol.Fault) and frame.log == [fitted]
+    plain = line.rstrip("\r\n")
+    if len(plain) <= protocol.MAX_LOG_LINE and not re.search(
+        r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]", plain
+    ):
+        assert fitted == plain  # a printable line that fits is sent as it is
 
 
 def test_a_heartbeat_reporting_a_device_twice_is_refused() -> None:

@@ -12,6 +12,7 @@ import copy
 import datetime as dt
 import json
 import math
+import signal
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -838,6 +839,30 @@ def _node_history(node: Node, failures: list[Failure]) -> list[dict[str, Any]]:
 NODE_EVENTS_SHOWN = 50  # the newest failures, commands and drills of a node's page
 
 
+def exit_status(code: int | None) -> str:
+    """An exit status as people say it: "code 1", "signal 9 (SIGKILL)"; "" when unknown."""
+    if code is None:
+        return ""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _last_process(device: int, failures: list[Failure]) -> dict[str, Any] | None:
+    """The newest report of a process at fault on ``device`` among ``failures`` (newest
+    first), with its exit status in words."""
+    for failure in failures:
+        for process in reversed(failure.processes):
+            if process.get("device") == device:
+                status = exit_status(process.get("exit_code"))
+                log_text = "\n".join(process.get("log") or ())
+                return {**process, "status": status, "log_text": log_text, "failure": failure}
+    return None
+
+
 @needs(Role.VIEWER)
 def node_detail(request: HttpRequest, pk: int, name: str) -> HttpResponse:
     """One node of a job: its state and history (expected, joined, failures, commands, drills),
@@ -865,7 +890,12 @@ def node_detail(request: HttpRequest, pk: int, name: str) -> HttpResponse:
         "node": node,
         "heard": heard,
         "devices": [
-            {**d, "beat": beats.get(str(d["index"])), "failures": touched.get(d["index"], [])}
+            {
+                **d,
+                "beat": beats.get(str(d["index"])),
+                "failures": touched.get(d["index"], []),
+                "process": _last_process(d["index"], touched.get(d["index"], [])),
+            }
             for d in devices
         ],
         "history": history,

@@ -27,6 +27,8 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
   its action is unknown, its plan does not hold together, a stage of its plan mixes this
   node's devices with others', or its ``holders`` name a device of this node whose rank is not
   running; an ``apply_plan``'s ``restore`` and ``holders`` go to the ranks with it;
+- each rank's standard error passes through to the agent's as it comes; a fault about a rank
+  names its pid, its exit status and the last lines of that output;
 - SIGTERM or SIGINT: ``goodbye``, then the ranks are stopped (SIGTERM, SIGKILL after a grace
   period) and reaped, and the store is closed.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import ctypes
 import datetime as dt
@@ -67,6 +70,9 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 SILENT_PULSES = 4
 # A rank whose pulses go on is a hang only after this many times the hang limit.
 STALL_FACTOR = 3
+# A crashed rank's fault waits at most this long for the rest of its standard error: the pipe
+# ends with the process, unless a child of its own still holds it.
+TAIL_WAIT_S = 0.2
 
 
 @dataclass
@@ -100,6 +106,33 @@ class Settings:
     exit_detail: Callable[[int], str | None] | None = None
 
 
+class OutputTail:
+    """The last lines a rank wrote to its standard error, for the fault that reports its end
+    (a traceback, NCCL's last words); a progress bar's redraws count as their last."""
+
+    def __init__(self, lines: int = protocol.MAX_LOG_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=lines)
+        self._partial = ""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, chunk: bytes) -> None:
+        *whole, partial = (self._partial + self._decoder.decode(chunk)).split("\n")
+        self._partial = partial[-4 * protocol.MAX_LOG_LINE :]
+        for line in whole:
+            self._keep(line, self._lines)
+
+    def last(self) -> list[str]:
+        lines = deque(self._lines, maxlen=self._lines.maxlen)
+        self._keep(self._partial, lines)
+        return list(lines)
+
+    @staticmethod
+    def _keep(line: str, into: deque[str]) -> None:
+        shown = line.rstrip("\r").rsplit("\r", 1)[-1]  # what a terminal would show
+        if shown.strip():
+            into.append(shown)
+
+
 @dataclass
 class Rank:
     """One trainer process and what it last reported."""
@@ -122,6 +155,8 @@ class Rank:
     nan: bool = False
     gone: str | None = None  # why it is gone: crash, hang, finished, stopped
     exit_expected: bool = False  # told to stop: its exit is no fault
+    output: OutputTail = field(default_factory=OutputTail)
+    tee: asyncio.Task[None] | None = None  # passes its standard error through to the agent's
 
     @property
     def pid(self) -> int:
@@ -400,6 +435,7 @@ class Agent:
                 *command,
                 env=env,
                 pass_fds=(child.fileno(),),
+                stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
                 preexec_fn=_die_with_the_agent,
             )
@@ -409,8 +445,23 @@ class Agent:
         rank = Rank(device=device, end=end, process=process)
         self.ranks[device] = rank
         log.info("device %d: rank started, pid %d", device, process.pid)
+        rank.tee = self._spawn(self._tee(rank))
         self._spawn(self._read(rank))
         self._spawn(self._reap(rank))
+
+    async def _tee(self, rank: Rank) -> None:
+        """The rank's standard error, written through to the agent's as it comes."""
+        stream = rank.process.stderr
+        if stream is None:
+            return
+        out = getattr(sys.stderr, "buffer", None)
+        while chunk := await stream.read(1 << 16):
+            rank.output.feed(chunk)
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:  # a stderr without bytes (replaced by a test's capture)
+                sys.stderr.write(chunk.decode(errors="replace"))
 
     # --- what the ranks say ---
 
@@ -424,7 +475,9 @@ class Agent:
                 await asyncio.wait_for(asyncio.shield(rank.process.wait()), 1.0)
                 return  # it exited: the reaper reports how
             if rank.alive and not self.stopping:
-                self._lost(rank, "crash", f"rank on device {rank.device} closed its link")
+                self._lost(
+                    rank, "crash", f"rank {rank.pid} on device {rank.device} closed its link"
+                )
                 _signal_group(rank.pid, signal.SIGKILL)
 
     def _take(self, rank: Rank, message: link.RankMessage) -> None:
@@ -444,6 +497,7 @@ class Agent:
                 protocol.FaultKind(message.kind),
                 [rank.device],
                 message.message or f"rank on device {rank.device} reported it",
+                pid=rank.pid,
             )
         elif isinstance(message, link.ProfileMessage):
             fields = message.model_dump(exclude={"t"}, exclude_none=True)
@@ -520,11 +574,21 @@ class Agent:
                     self.exit_code = 1  # an earlier one failed
                 self.finish.set()
             return
+        if rank.tee is not None:  # its last words, in the pipe already unless a child holds it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(rank.tee), TAIL_WAIT_S)
+            if not rank.alive or self.stopping:
+                return
         how = f"signal {-code}" if code < 0 else f"code {code}"
         detail = self.settings.exit_detail and self.settings.exit_detail(rank.device)
         if detail:
             how += f": {detail}"
-        self._lost(rank, "crash", f"rank {rank.pid} on device {rank.device} exited with {how}")
+        self._lost(
+            rank,
+            "crash",
+            f"rank {rank.pid} on device {rank.device} exited with {how}",
+            exit_code=code,
+        )
         if self._ends_when_all_exited() and not any(r.alive for r in self.ranks.values()):
             log.info("every rank has exited, one or more failed")
             self.exit_code = 1
@@ -538,18 +602,38 @@ class Agent:
     # --- faults ---
 
     def _report(
-        self, kind: protocol.FaultKind, devices: list[int], message: str, step: int | None = None
+        self,
+        kind: protocol.FaultKind,
+        devices: list[int],
+        message: str,
+        step: int | None = None,
+        **process: Any,
     ) -> None:
+        """Send a fault; ``process`` names the process at fault (``pid``, ``exit_code``,
+        ``log``: ``Uplink.fault``'s)."""
         log.warning("fault %s on %s: %s", kind.value, devices, message)
         self.uplink.fault(
-            kind, devices, step=step if step is not None else self.last_step, message=message
+            kind,
+            devices,
+            step=step if step is not None else self.last_step,
+            message=message,
+            **process,
         )
 
-    def _lost(self, rank: Rank, kind: str, message: str) -> None:
-        """A rank died or hung: report it, tell every rank of the job to leave its collectives
-        (``<generation>abort`` in the store), and give up its part of pending commands."""
+    def _lost(self, rank: Rank, kind: str, message: str, exit_code: int | None = None) -> None:
+        """A rank died or hung: report it with its pid, exit status and last lines of output,
+        tell every rank of the job to leave its collectives (``<generation>abort`` in the
+        store), and give up its part of pending commands."""
         rank.gone = kind
-        self._report(protocol.FaultKind(kind), [rank.device], message, step=rank.step)
+        self._report(
+            protocol.FaultKind(kind),
+            [rank.device],
+            message,
+            step=rank.step,
+            pid=rank.pid,
+            exit_code=exit_code,
+            log=rank.output.last(),
+        )
         if self.store is not None:
             value = json.dumps(
                 {"node": self.settings.node, "device": rank.device, "kind": kind, "at": time.time()}

@@ -45,6 +45,9 @@ class _QueuedFault:
     at: float
     step: int | None
     message: str
+    pid: int | None = None
+    exit_code: int | None = None
+    log: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,19 @@ class Uplink:
         step: int | None = None,
         message: str = "",
         at: float | None = None,
+        pid: int | None = None,
+        exit_code: int | None = None,
+        log: Sequence[str] = (),
     ) -> None:
-        """Report a fault now, or as soon as a socket is up (its ``at`` stays the time seen)."""
+        """Report a fault now, or as soon as a socket is up (its ``at`` stays the time seen);
+        ``pid``, ``exit_code`` and ``log`` (its output's last lines) name the process at fault."""
         at = time.time() if at is None else at
-        self._queue.append(_QueuedFault(kind, tuple(devices), at, step, message[:2000]))
+        lines = tuple(protocol.log_line(line) for line in log[-protocol.MAX_LOG_LINES :])
+        self._queue.append(
+            _QueuedFault(
+                kind, tuple(devices), at, step, message[: protocol.MAX_TEXT], pid, exit_code, lines
+            )
+        )
         self._wake.set()
 
     def profile(self, fields: dict[str, Any]) -> None:
@@ -218,6 +230,9 @@ class Uplink:
                     devices=list(item.devices),
                     step=item.step,
                     message=item.message,
+                    pid=item.pid,
+                    exit_code=item.exit_code,
+                    log=list(item.log) or None,
                 )
             await ws.send(protocol.encode(frame))
             if not isinstance(frame, protocol.Ack):

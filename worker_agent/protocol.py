@@ -51,6 +51,9 @@ MAX_RATE = 1e12  # samples a second
 MAX_LOSS = 1e12  # the magnitude of a loss
 MAX_MEMORY_BYTES = float(1 << 60)  # 1 EiB
 MAX_TEXT = 2000  # characters of a message for people
+MAX_PID = 1 << 22  # Linux's pid_max ceiling
+MAX_LOG_LINES = 20  # the lines of a rank's output a fault carries
+MAX_LOG_LINE = 500  # characters of one of them
 MAX_MODULES = 128  # the modules one profile measures (a frame's size binds first)
 MAX_MICRO_BATCHES = 1 << 20  # a global batch, in micro-batches
 
@@ -142,6 +145,15 @@ Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 Seq = Annotated[int, Field(ge=0, le=MAX_SEQ)]
 DeviceId = Annotated[int, Field(ge=0, le=MAX_DEVICE_ID)]
 Devices = Annotated[list[DeviceId], Field(min_length=1, max_length=MAX_DEVICES)]
+Pid = Annotated[int, Field(ge=1, le=MAX_PID)]
+ExitCode = Annotated[int, Field(ge=-255, le=255)]  # negative: killed by that signal, as Popen's
+LogLine = Annotated[str, Field(max_length=MAX_LOG_LINE), AfterValidator(_printable)]
+
+
+def log_line(text: str) -> str:
+    """One line of a process's output made fit for a frame's ``log``: control characters (a
+    colour's escape, a progress bar's carriage return) escaped, cut to ``MAX_LOG_LINE``."""
+    return _quotable(text.rstrip("\r\n"), MAX_LOG_LINE)
 
 
 # --- agent to server ---
@@ -232,6 +244,12 @@ class Fault(_Frame):
     devices: Devices
     step: Step | None = None
     message: Text = ""
+    # the one process at fault, where there is one (the reference agent: a crashed or hung rank)
+    pid: Pid | None = None
+    exit_code: ExitCode | None = None  # how it exited: its code, or minus the killing signal
+    log: Annotated[list[LogLine], Field(max_length=MAX_LOG_LINES)] | None = (
+        None  # its stderr's last lines
+    )
 
 
 Bytes = Annotated[float, Field(ge=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)]

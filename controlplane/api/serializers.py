@@ -117,8 +117,22 @@ class ErrorSerializer(serializers.Serializer):
     field = serializers.CharField(allow_null=True, help_text="the field at fault, if one is")
 
 
+class ProcessSerializer(serializers.Serializer):
+    """A process an agent blamed for a failure (``Failure.processes``)."""
+
+    device = serializers.IntegerField(allow_null=True, help_text="its device; null: several")
+    pid = serializers.IntegerField(allow_null=True)
+    exit_code = serializers.IntegerField(
+        allow_null=True, help_text="its exit code, or minus the signal that killed it"
+    )
+    log = serializers.ListField(
+        child=serializers.CharField(), help_text="the last lines of its standard error"
+    )
+
+
 class FailureSerializer(serializers.ModelSerializer):
     detection_latency_s = serializers.FloatField(read_only=True)
+    processes = ProcessSerializer(many=True, read_only=True)
 
     class Meta:
         model = Failure
@@ -134,6 +148,7 @@ class FailureSerializer(serializers.ModelSerializer):
             "detection_latency_s",
             "step",
             "message",
+            "processes",
         )
         read_only_fields = fields
 

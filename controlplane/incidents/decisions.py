@@ -57,6 +57,7 @@ def record_failure(
     node: Node | None = None,
     message: str = "",
     step: int | None = None,
+    process: dict[str, Any] | None = None,
     plan: Callable[[int], None] | None = None,
 ) -> tuple[Failure, RecoveryDecision]:
     """Record a failure and open the decision that will recover from it.
@@ -69,7 +70,8 @@ def record_failure(
     the devices when it runs, covers them all; devices that are all down already change nothing.
     Otherwise an open decision is superseded and a new one plans for every device down now.
     ``plan(decision_id)`` is called after the commit for a new decision (the Celery task's
-    ``delay``).
+    ``delay``). ``process`` is the agent's word on the process at fault (``Failure.processes``),
+    kept on whichever failure the report lands in.
     """
     devices = sorted(set(devices))
     if not devices:
@@ -102,6 +104,7 @@ def record_failure(
             if latest is not None:
                 # reported again (the socket's close and then the deadline, two ranks of one
                 # node): these devices are down and handled already, nothing new happened
+                _keep_process(latest.failure, process)
                 return latest.failure, latest
         Device.objects.filter(job=job, index__in=devices).update(state=DeviceState.FAILED)
         open_decision = (
@@ -116,6 +119,7 @@ def record_failure(
             and not open_decision.grows  # superseded: its failure is an old one, its devices back
         ):
             failure = open_decision.failure
+            _keep_process(failure, process)
             merged = sorted(set(failure.devices) | set(devices))
             if merged != failure.devices:
                 failure.devices = merged
@@ -134,7 +138,16 @@ def record_failure(
                 )
             return failure, open_decision
         failure = _new_failure(
-            job, kind, devices, source, occurred_at, now, node=node, message=message, step=step
+            job,
+            kind,
+            devices,
+            source,
+            occurred_at,
+            now,
+            node=node,
+            message=message,
+            step=step,
+            processes=[process] if process else [],
         )
         if open_decision is not None:
             transition(open_decision.pk, DecisionStatus.SUPERSEDED, actor="system")
@@ -249,6 +262,17 @@ def _new_failure(
         detected_at=now,
         **more,
     )
+
+
+MAX_PROCESSES = 256  # the reports a failure keeps of the processes at fault
+
+
+def _keep_process(failure: Failure, process: dict[str, Any] | None) -> None:
+    """Add another report's process to a failure that already stands (the first
+    ``MAX_PROCESSES``: a failure of a thousand nodes does not grow a row without bound)."""
+    if process and process not in failure.processes and len(failure.processes) < MAX_PROCESSES:
+        failure.processes = [*failure.processes, process]
+        failure.save(update_fields=["processes"])
 
 
 def _detected(failure: Failure, decision: RecoveryDecision | None) -> None:

@@ -44,6 +44,12 @@ class Failure(models.Model):
         help_text="the job's last reported step when it was recorded: the step the agent sent "
         "with its fault, else the highest of the nodes' latest heartbeats (null: none known)",
     )
+    processes = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="the processes its agents blamed, one entry a report: device, pid, "
+        "exit_code (minus the signal that killed it), log (its standard error's last lines)",
+    )
 
     class Meta:
         ordering = ("-detected_at",)

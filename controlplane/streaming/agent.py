@@ -194,9 +194,22 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
         node=node,
         message=frame.message,
         step=step,
+        process=_process(frame),
         plan=enqueue_planning,
     )
     return decision.pk
+
+
+def _process(frame: protocol.Fault) -> dict[str, Any] | None:
+    """The fault's process at fault, as ``Failure.processes`` keeps it (None: it named none)."""
+    if frame.pid is None and frame.exit_code is None and not frame.log:
+        return None
+    return {
+        "device": frame.devices[0] if len(frame.devices) == 1 else None,
+        "pid": frame.pid,
+        "exit_code": frame.exit_code,
+        "log": list(frame.log or ()),
+    }
 
 
 def _profiled(session: Session, frame: protocol.Profile) -> bool:

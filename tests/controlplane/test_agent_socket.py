@@ -142,6 +142,27 @@ async def test_a_fault_frame_is_a_failure_at_once_and_is_planned(
     assert decision.status == DecisionStatus.APPLYING
 
 
+async def test_a_fault_naming_its_process_keeps_its_pid_exit_code_and_output(
+    agent: tuple[Job, WebsocketCommunicator],
+) -> None:
+    job, socket = agent
+    log = ["Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal address"]
+    fault = protocol.Fault(
+        seq=1, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[2], pid=31337,
+        exit_code=-6, log=log,
+    )  # fmt: skip
+    await socket.send_to(protocol.encode(fault))
+    failure = await failure_of(job)
+    assert failure.processes == [{"device": 2, "pid": 31337, "exit_code": -6, "log": log}]
+    # the same device reported again (its peer's agent, the heartbeat deadline): one failure
+    again = protocol.Fault(seq=2, at=time.time(), kind=protocol.FaultKind.CRASH, devices=[2])
+    await socket.send_to(protocol.encode(again))
+    await socket.send_to(heartbeat(3))
+    await beaten(job, 10)
+    refreshed = await database_sync_to_async(Failure.objects.get)(job=job)
+    assert refreshed.pk == failure.pk and refreshed.processes == failure.processes
+
+
 async def beaten(job: Job, step: int, node: str = "node-0") -> None:
     """Wait until the node's heartbeat at ``step`` is in Redis (they are written in batches)."""
     redis = liveness.client()

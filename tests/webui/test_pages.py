@@ -872,3 +872,48 @@ def test_a_nodes_page_shows_its_devices_failures_and_commands() -> None:
     assert viewer.get(f"/jobs/{job.pk}/nodes/node-99/").status_code == 404
     assert client_as(None).get(url).status_code == 403
     assert f'"node_url": "/jobs/{job.pk}/nodes/__node__/"' in text(viewer.get(f"/jobs/{job.pk}/"))
+    assert re.search(r'<td class="process">—</td>', row[1])  # that report named no process
+
+
+def test_a_nodes_page_shows_the_last_process_its_agent_blamed_with_its_output() -> None:
+    job, _ = create_job("processes-page", copy.deepcopy(SCENARIO), approval_mode="auto")
+    node = Node.objects.get(job=job, devices__index=5)
+    log = ["Traceback (most recent call last):", "<b>RuntimeError</b>: out of memory"]
+    for pid, code in ((4242, -9), (4343, 1)):  # the second report lands on the same failure
+        decisions.record_failure(
+            job, kind="crash", devices=[5], source=FailureSource.AGENT,
+            occurred_at=timezone.now(), node=node,
+            process={"device": 5, "pid": pid, "exit_code": code, "log": log},
+        )  # fmt: skip
+    (failure,) = Failure.objects.filter(job=job)
+    assert [p["pid"] for p in failure.processes] == [4242, 4343]
+    page = text(client_as("viewer").get(f"/jobs/{job.pk}/nodes/{node.name}/"))
+    row = re.search(r'<tr id="device-5">(.*?)</tr>', page, re.S)
+    assert row is not None
+    cell = re.search(r'<td class="process">(.*?)</td>', row[1], re.S)
+    assert cell is not None and cell[1].startswith("pid 4343, exited with code 1 ")
+    assert "its last 2 lines of output" in cell[1]
+    # the lines as the process wrote them, escaped, one a line
+    assert (
+        "(most recent call last):\n&lt;b&gt;RuntimeError&lt;/b&gt;: out of memory</pre>" in cell[1]
+    )
+    other = re.search(r'<tr id="device-4">.*?<td class="process">(.*?)</td>', page, re.S)
+    assert other is not None and other[1] == "—"
+    api = client_as("viewer").get("/api/v1/failures/", {"job": job.pk}).json()
+    (listed,) = api["results"] if isinstance(api, dict) else api
+    assert listed["processes"][-1] == {"device": 5, "pid": 4343, "exit_code": 1, "log": log}
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (None, ""),
+        (0, "code 0"),
+        (1, "code 1"),
+        (-9, "signal 9 (SIGKILL)"),
+        (-15, "signal 15 (SIGTERM)"),
+        (-99, "signal 99"),
+    ],
+)
+def test_an_exit_status_is_said_as_people_say_it(code: int | None, said: str) -> None:
+    assert webui_views.exit_status(code) == said

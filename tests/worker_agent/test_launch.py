@@ -148,3 +148,12 @@ def test_a_failed_process_is_a_crash_with_its_exception_and_the_launcher_exits_1
     assert faults[0]["message"].endswith(
         "exited with code 1: RuntimeError: the shard of rank 1 is gone"
     )
+    # the process at fault: its pid, its exit code and its traceback's last lines
+    crash = faults[0]
+    assert crash["exit_code"] == 1
+    assert crash["message"].startswith(f"rank {crash['pid']} on device 1 ")
+    assert crash["log"][-1] == "RuntimeError: the shard of rank 1 is gone"
+    assert crash["log"][0] == "Traceback (most recent call last):"
+    # and its standard error still reaches the launcher's, as it reaches torchrun's
+    for run in (reference, ours):
+        assert "RuntimeError: the shard of rank 1 is gone" in run.stderr
