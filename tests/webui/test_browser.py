@@ -47,8 +47,13 @@ made["live"], made["agent_token"] = live.pk, token
 for name, device in (("approve-me", 5), ("override-me", 6)):
     job, _ = create_job(name, scenario, approval_mode="manual",
                         enabled_policies=["dynamic", "checkpoint"])
+    process = {{"device": device, "pid": 4000 + device, "exit_code": -6,
+               "log": [f"step {{s}} loss 2.3" for s in range(17)]
+               + ["Traceback (most recent call last):", '  File "train.py", line 9',
+                  "RuntimeError: CUDA error: an illegal memory access was encountered"]}}
     _, decision = decisions.record_failure(job, kind="crash", devices=[device], source="agent",
-                                           occurred_at=timezone.now(), plan=tasks.enqueue_planning)
+                                           occurred_at=timezone.now(), process=process,
+                                           plan=tasks.enqueue_planning)
     made[name], made.setdefault("jobs", {{}})[name] = decision.pk, job.pk
 print(json.dumps(made))
 """
@@ -227,6 +232,20 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     assert ops.page.inner_text("#last-beat") == "no heartbeat heard now"  # killed
     ops.shot("node")
     ops.close()
+
+
+def test_a_nodes_page_shows_the_crashed_process_and_opens_its_last_lines(site: Site) -> None:
+    viv = Browser(site, "viv")
+    viv.go(f"/jobs/{site.made['jobs']['approve-me']}/nodes/node-1/")
+    cell = viv.page.locator("#device-5 td.process")
+    assert cell.inner_text().startswith("pid 4005, exited with signal 6 (SIGABRT) (crash at ")
+    assert viv.page.locator("#device-5 pre.log").is_hidden()  # folded until asked for
+    viv.page.click("#device-5 summary")
+    lines = viv.page.inner_text("#device-5 pre.log").splitlines()
+    assert len(lines) == 20 and lines[-1].startswith("RuntimeError: CUDA error")
+    assert viv.page.inner_text("#device-4 td.process") == "—"
+    viv.shot("node-process")
+    viv.close()
 
 
 def test_a_viewer_sees_no_button_and_the_server_refuses_anyway(site: Site) -> None:

@@ -892,7 +892,7 @@ def test_a_nodes_page_shows_the_last_process_its_agent_blamed_with_its_output() 
     assert row is not None
     cell = re.search(r'<td class="process">(.*?)</td>', row[1], re.S)
     assert cell is not None and cell[1].startswith("pid 4343, exited with code 1 ")
-    assert "its last 2 lines of output" in cell[1]
+    assert "its last 2 lines of standard error" in cell[1]
     # the lines as the process wrote them, escaped, one a line
     assert (
         "(most recent call last):\n&lt;b&gt;RuntimeError&lt;/b&gt;: out of memory</pre>" in cell[1]
