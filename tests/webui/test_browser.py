@@ -234,6 +234,40 @@ def test_an_operator_watches_a_device_fail_within_a_second(site: Site) -> None:
     ops.close()
 
 
+def test_the_charts_wait_out_of_sight_and_redraw_every_2_s_in_sight(site: Site) -> None:
+    ops = Browser(site, "ops", height=400)
+    ops.go(f"/jobs/{site.made['live']}/")
+    ops.page.wait_for_selector("#chart-loss .plot-container")
+    ops.page.evaluate(
+        "() => { window.reacts = 0; const react = Plotly.react;"
+        " Plotly.react = (...args) => { window.reacts++; return react(...args); }; }"
+    )
+
+    def reacts() -> int:
+        return int(ops.page.evaluate("() => window.reacts"))
+
+    def step() -> int:
+        return int(ops.page.inner_text("#stat-step"))
+
+    ops.page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")
+    below = ops.page.evaluate(
+        "() => document.querySelector('.charts').getBoundingClientRect().bottom"
+    )
+    assert below < 0, "the charts are still in sight at the page's end"
+    ops.page.wait_for_timeout(500)
+    before, stepped = reacts(), step()
+    ops.page.wait_for_timeout(5000)
+    assert step() > stepped, "no live step came while the charts were away"
+    assert reacts() == before, "charts out of sight were redrawn"
+    ops.page.locator(".charts").scroll_into_view_if_needed()
+    ops.page.wait_for_function(f"() => window.reacts > {before}", timeout=3000)  # at once
+    shown = reacts()
+    ops.page.wait_for_timeout(6000)
+    redraws = (reacts() - shown) / 3  # three charts a redraw
+    assert 2 <= redraws <= 4, f"{redraws} redraws in 6 s"
+    ops.close()
+
+
 def test_a_nodes_page_shows_the_crashed_process_and_opens_its_last_lines(site: Site) -> None:
     viv = Browser(site, "viv")
     viv.go(f"/jobs/{site.made['jobs']['approve-me']}/nodes/node-1/")
