@@ -153,6 +153,7 @@ BOUNDED: list[tuple[dict[str, Any], str, float, float]] = [
     (BEAT, "devices.0.device", 0, protocol.MAX_DEVICE_ID),
     (BEAT, "devices.0.memory_bytes", 0, protocol.MAX_MEMORY_BYTES),
     (BEAT, "devices.0.utilization", 0, 1),
+    (BEAT, "devices.0.pid", 1, protocol.MAX_PID),
     (FAULT, "seq", 0, protocol.MAX_SEQ),
     (FAULT, "at", 0, protocol.MAX_TIMESTAMP_S),
     (FAULT, "step", 0, protocol.MAX_STEP),

@@ -851,6 +851,16 @@ def exit_status(code: int | None) -> str:
         return f"signal {-code}"
 
 
+def _heard_pids(job_id: int, node: str) -> dict[int, int]:
+    """Each device's process as the node's last heartbeat names it (none when not heard)."""
+    try:
+        raw = liveness.sync_client().hget(liveness.frames_key(job_id), node)
+    except RedisError:
+        return {}
+    devices = json.loads(raw)["devices"] if raw else []
+    return {d["device"]: d["pid"] for d in devices if d.get("pid")}
+
+
 def _last_process(device: int, failures: list[Failure]) -> dict[str, Any] | None:
     """The newest report of a process at fault on ``device`` among ``failures`` (newest
     first), with its exit status in words."""
@@ -880,6 +890,7 @@ def node_detail(request: HttpRequest, pk: int, name: str) -> HttpResponse:
     except RedisError:
         pass
     beats = heard["devices"] if heard else {}
+    pids = _heard_pids(job.pk, node.name) if heard else {}
     touched: dict[int, list[Failure]] = {}  # a device -> the job's recent failures naming it
     for failure in Failure.objects.filter(job=job).order_by("-detected_at")[:500]:
         for device in set(failure.devices) & indices:
@@ -893,6 +904,7 @@ def node_detail(request: HttpRequest, pk: int, name: str) -> HttpResponse:
             {
                 **d,
                 "beat": beats.get(str(d["index"])),
+                "pid": pids.get(d["index"]),
                 "failures": touched.get(d["index"], []),
                 "process": _last_process(d["index"], touched.get(d["index"], [])),
             }

@@ -9,7 +9,7 @@ protocol (docs/protocol.md) to the control plane through ``connection.Uplink``:
 
 - a heartbeat every interval the welcome gives, made of the ranks' reports: the node's step (the
   lowest of its training ranks', of all when none trains), the last loss, samples/s, step
-  time, and each device's state and memory;
+  time, and each device's state, memory and process id;
 - a ``fault`` the moment one is seen: a rank exited or was killed (``crash``, from the process
   table and the link's end), no step progress for ``hang_factor`` × its median step time and at
   least ``hang_floor_s`` while its link's pulses are silent, or for three times that; before its
@@ -718,10 +718,13 @@ class Agent:
                 # a device the current plan leaves out is idle, however its rank ended
                 used = self.plan_devices is None or device in self.plan_devices
                 state = "failed" if used and rank.gone in ("crash", "hang") else "idle"
-            memory = rank.memory_bytes if rank is not None and rank.alive else None
+            live = rank if rank is not None and rank.alive else None
             reports.append(
                 protocol.DeviceReport(
-                    device=device, state=protocol.DeviceState(state), memory_bytes=memory
+                    device=device,
+                    state=protocol.DeviceState(state),
+                    memory_bytes=live.memory_bytes if live else None,
+                    pid=live.pid if live else None,
                 )
             )
         return protocol.Heartbeat(

@@ -193,6 +193,7 @@ class DeviceReport(_Frame):
         None
     )
     utilization: Annotated[float, Field(ge=0, le=1)] | None = None
+    pid: Pid | None = None  # the process training on it, when there is one
 
 
 class Heartbeat(_Frame):

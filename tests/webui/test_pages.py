@@ -36,6 +36,7 @@ from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
 from tests.controlplane.test_api import SCENARIO, client_as, proposed, user
 from webui import data
+from worker_agent import protocol
 from webui import views as webui_views
 
 pytestmark = pytest.mark.django_db
@@ -902,6 +903,30 @@ def test_a_nodes_page_shows_the_last_process_its_agent_blamed_with_its_output() 
     api = client_as("viewer").get("/api/v1/failures/", {"job": job.pk}).json()
     (listed,) = api["results"] if isinstance(api, dict) else api
     assert listed["processes"][-1] == {"device": 5, "pid": 4343, "exit_code": 1, "log": log}
+
+
+def test_a_nodes_page_shows_each_devices_process_as_its_last_heartbeat_names_it() -> None:
+    job, _ = create_job("pids-page", copy.deepcopy(SCENARIO), approval_mode="auto")
+    node = Node.objects.get(job=job, devices__index=5)
+    indices = sorted(Device.objects.filter(node=node).values_list("index", flat=True))
+    beat = protocol.Heartbeat(
+        seq=1, at=time.time(), step=7,
+        devices=[protocol.DeviceReport(device=d, state=protocol.DeviceState.TRAINING,
+                                       pid=9000 + d if d != 5 else None) for d in indices],
+    )  # fmt: skip
+    redis = liveness.sync_client()
+    redis.zadd(liveness.seen_key(job.pk), {node.name: time.time()})
+    redis.hset(liveness.frames_key(job.pk), node.name, protocol.encode(beat))
+    try:
+        page = text(client_as("viewer").get(f"/jobs/{job.pk}/nodes/{node.name}/"))
+    finally:
+        redis.zrem(liveness.seen_key(job.pk), node.name)
+        redis.hdel(liveness.frames_key(job.pk), node.name)
+    said = dict(re.findall(r'<tr id="device-(\d+)">.*?</td>\s*<td>(.*?)</td>', page, re.S))
+    assert said == {
+        str(d): "training" if d == 5 else f"training <small>(pid {9000 + d})</small>"
+        for d in indices
+    }
 
 
 @pytest.mark.parametrize(

@@ -253,6 +253,10 @@ def test_a_rank_that_closes_its_link_is_a_crash_and_is_killed(
                     and b, "device 1 failed in the heartbeats")  # fmt: skip
         assert beat["devices"][0]["state"] == "training"
         assert len(server.of_type("fault")) == 1, "its death is not reported again"
+        # each process named: the one at fault in the fault, the one training in the heartbeat
+        assert fault["pid"] in ranks and "exit_code" not in fault  # alive when it was reported
+        assert beat["devices"][0]["pid"] == next(p for p in ranks if p != fault["pid"])
+        assert "pid" not in beat["devices"][1]
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=15) == 0
