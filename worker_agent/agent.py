@@ -718,13 +718,13 @@ class Agent:
                 # a device the current plan leaves out is idle, however its rank ended
                 used = self.plan_devices is None or device in self.plan_devices
                 state = "failed" if used and rank.gone in ("crash", "hang") else "idle"
-            live = rank if rank is not None and rank.alive else None
+            running = rank if rank is not None and rank.alive else None
             reports.append(
                 protocol.DeviceReport(
                     device=device,
                     state=protocol.DeviceState(state),
-                    memory_bytes=live.memory_bytes if live else None,
-                    pid=live.pid if live else None,
+                    memory_bytes=running.memory_bytes if running else None,
+                    pid=running.pid if running else None,
                 )
             )
         return protocol.Heartbeat(

@@ -36,8 +36,8 @@ from controlplane.jobs.services import create_job
 from controlplane.simulations.models import Sweep, SweepStatus
 from tests.controlplane.test_api import SCENARIO, client_as, proposed, user
 from webui import data
-from worker_agent import protocol
 from webui import views as webui_views
+from worker_agent import protocol
 
 pytestmark = pytest.mark.django_db
 
