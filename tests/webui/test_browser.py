@@ -11,6 +11,7 @@ tests are skipped, saying so.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -409,14 +410,20 @@ def test_what_if_and_a_small_simulation_run_to_completion(site: Site) -> None:
     ops.go("/simulations/")
     ops.page.select_option("#job", label="live")
     for box in ops.page.locator("input[name=policies]").all():
-        box.set_checked(box.get_attribute("value") in ("dynamic", "checkpoint"))
+        box.set_checked(box.get_attribute("value") in ("dynamic", "checkpoint", "pitstop"))
     ops.page.fill("#hours", "2")
     ops.page.fill("#seeds", "2")
     ops.page.fill("#name", "browser")
     ops.page.click("text=Start the simulation")
     ops.page.wait_for_selector("#sweep-status:has-text('done')", timeout=60_000)
     ops.page.wait_for_selector("#chart-downtime .plot-container")
-    assert ops.page.locator("#summary-table tbody tr").count() == 2
+    assert ops.page.locator("#summary-table tbody tr").count() == 3
+    said = ops.page.inner_text("#choice-gain")  # pitstop against the better of the other two
+    assert re.fullmatch(
+        r"pitstop trained \d\.\d{3}× the samples of the best fixed policy here, "
+        r"(dynamic|checkpoint) \(95 % interval \d\.\d{3}×–\d\.\d{3}× over 2 seeds\): .+\.",
+        said,
+    ), said
     ops.shot("simulation")
     ops.go("/simulations/")
     ops.shot("simulations")

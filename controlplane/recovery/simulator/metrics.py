@@ -61,6 +61,9 @@ def summarize(
         for name, entry in table.items()
     }
     out: dict[str, Any] = {"policies": table, "ratios": ratios}
+    gain = choice_gain(runs)
+    if gain is not None:
+        out["choice_gain"] = gain
     if ideal is not None:
         out["ideal"] = policy_summary(ideal)
         out["share_of_ideal"] = {
@@ -69,6 +72,40 @@ def summarize(
     if parameters is not None:
         out["parameters"] = dict(parameters)
     return out
+
+
+CHOOSER = "pitstop"  # the policy that picks among the others' recoveries at each failure
+WORTH = 1.05  # the gain over the best fixed policy at which choosing is said to pay
+
+
+def choice_gain(runs: Mapping[str, Sequence[Run]], chooser: str = CHOOSER) -> dict[str, Any] | None:
+    """What choosing per failure earned against the best fixed policy of the same sweep: the
+    one of the others with the most samples (mean over seeds), and ``chooser``'s samples over
+    its on each trace (but those where it trained nothing), mean and 95 % interval; None without
+    ``chooser`` or another policy.
+
+    "pays" is whether the mean gain reaches ``WORTH`` (5 %); the interval says how sure it is.
+    """
+    if chooser not in runs or len(runs) < 2:
+        return None
+    others = {name: policy_runs for name, policy_runs in runs.items() if name != chooser}
+    best = max(others, key=lambda name: statistics.fmean(r.samples for r in others[name]))
+    ratios = [
+        run.samples / fixed.samples
+        for run, fixed in zip(runs[chooser], others[best], strict=True)
+        if fixed.samples > 0
+    ]
+    if not ratios:
+        return None
+    mean, lo, hi = mean_ci95(ratios)
+    return {
+        "policy": chooser,
+        "against": best,
+        "mean": mean,
+        "ci95": [lo, hi],
+        "pays": mean >= WORTH,
+        "seeds": len(ratios),
+    }
 
 
 def share_of_ideal(runs: Sequence[Run], ideal: Sequence[Run]) -> dict[str, Any] | None:

@@ -8,8 +8,22 @@
   });
   const options = { displayModeBar: false, responsive: true };
 
+  // pitstop against the best fixed policy of this sweep, in words: does choosing pay here?
+  function choiceGain(gain) {
+    const box = document.getElementById("choice-gain");
+    if (!gain) return;
+    const times = (x) => `${x.toFixed(3)}×`;
+    const verdict = gain.pays
+      ? "choosing per failure pays here (5 % or more)"
+      : gain.mean >= 1 ? "under 5 %: here it about matches the best fixed policy" : "the best fixed policy does better here";
+    box.textContent = `${gain.policy} trained ${times(gain.mean)} the samples of the best fixed policy here, ` +
+      `${gain.against} (95 % interval ${times(gain.ci95[0])}–${times(gain.ci95[1])} over ${gain.seeds} seed${gain.seeds === 1 ? "" : "s"}): ${verdict}.`;
+    box.classList.remove("hidden");
+  }
+
   function show(summary) {
     document.getElementById("results").classList.remove("hidden");
+    choiceGain(summary.choice_gain);
     const curves = summary.curves;
     const names = Object.keys(curves.samples);
     Plotly.newPlot("chart-samples", names.map((n) => ({ x: curves.hours, y: curves.samples[n], name: n, mode: "lines" })),
