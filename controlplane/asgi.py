@@ -2,6 +2,7 @@
 
 import gc
 import os
+import threading
 
 from django.core.asgi import get_asgi_application
 
@@ -20,11 +21,16 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
+from controlplane.incidents import tasks  # noqa: E402
 from controlplane.streaming import transport  # noqa: E402
 from controlplane.streaming.routing import agent_urlpatterns, browser_urlpatterns  # noqa: E402
 
 # Daphne closes a websocket it fails (a message over its size limit) with a code, not a reset.
 transport.close_failed_connections()
+
+# The first failure's planning is queued from here: its publish's one-time costs are paid now,
+# beside the start, not in the middle of the burst of losses that records it.
+threading.Thread(target=tasks.warm_publishing, name="warm-publishing", daemon=True).start()
 
 # Garbage collection for a process that holds thousands of sockets: the objects made while
 # starting are frozen out of every collection, and young objects are collected 50,000 at a time

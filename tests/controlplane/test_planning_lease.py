@@ -8,8 +8,10 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from celery import Celery
 
 from controlplane.celery import app as celery_app
 from controlplane.incidents import decisions, tasks
@@ -93,3 +95,32 @@ def test_a_held_lease_keeps_its_decision_from_being_queued_again(eager: None) ->
         assert tasks.requeue_orphaned() == [decision.pk]
     finally:
         redis.delete(tasks.planning_lease_key(decision.pk))
+
+
+def test_a_serving_process_connects_to_the_broker_before_its_first_publish(
+    monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """``warm_publishing`` (started with the ASGI application) leaves a connected producer in
+    the pool, so the first failure's ``delay`` does not pay the connection."""
+    fresh = Celery(
+        "warm", broker=settings.CELERY_BROKER_URL, backend=settings.CELERY_RESULT_BACKEND
+    )
+    with fresh.producer_or_acquire() as producer:
+        assert not producer.connection.connected  # kombu connects on first use
+    monkeypatch.setattr(tasks, "app", fresh)
+    tasks.warm_publishing()
+    with fresh.producer_or_acquire() as producer:
+        assert producer.connection.connected
+
+
+def test_warming_with_the_broker_down_is_left_to_the_first_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    nowhere = f"redis://127.0.0.1:{port}/0"
+    monkeypatch.setattr(tasks, "app", Celery("down", broker=nowhere, backend=nowhere))
+    started = time.monotonic()
+    tasks.warm_publishing()  # logs planning.warm_failed, raises nothing
+    assert time.monotonic() - started < 10
