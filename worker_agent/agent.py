@@ -133,6 +133,16 @@ class OutputTail:
             into.append(shown)
 
 
+def _write_through(chunk: bytes) -> None:
+    """A rank's bytes on the agent's standard error, as they came."""
+    out = getattr(sys.stderr, "buffer", None)
+    if out is None:  # a stderr without bytes (replaced by a test's capture)
+        sys.stderr.write(chunk.decode(errors="replace"))
+        return
+    out.write(chunk)
+    out.flush()
+
+
 @dataclass
 class Rank:
     """One trainer process and what it last reported."""
@@ -450,18 +460,23 @@ class Agent:
         self._spawn(self._reap(rank))
 
     async def _tee(self, rank: Rank) -> None:
-        """The rank's standard error, written through to the agent's as it comes."""
+        """The rank's standard error, written through to the agent's as it comes. Read to its
+        end whatever happens to the agent's own (closed, a broken pipe): a pipe left full
+        would stop the rank at its next write."""
         stream = rank.process.stderr
         if stream is None:
             return
-        out = getattr(sys.stderr, "buffer", None)
+        passing = True
         while chunk := await stream.read(1 << 16):
             rank.output.feed(chunk)
-            if out is not None:
-                out.write(chunk)
-                out.flush()
-            else:  # a stderr without bytes (replaced by a test's capture)
-                sys.stderr.write(chunk.decode(errors="replace"))
+            if passing:
+                try:
+                    _write_through(chunk)
+                except (OSError, ValueError) as exc:  # ValueError: a closed file
+                    passing = False
+                    log.warning(
+                        "device %d: its output no longer reaches ours: %s", rank.device, exc
+                    )
 
     # --- what the ranks say ---
 
@@ -575,8 +590,7 @@ class Agent:
                 self.finish.set()
             return
         if rank.tee is not None:  # its last words, in the pipe already unless a child holds it
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(rank.tee), TAIL_WAIT_S)
+            await asyncio.wait({rank.tee}, timeout=TAIL_WAIT_S)
             if not rank.alive or self.stopping:
                 return
         how = f"signal {-code}" if code < 0 else f"code {code}"

@@ -151,8 +151,8 @@ LogLine = Annotated[str, Field(max_length=MAX_LOG_LINE), AfterValidator(_printab
 
 
 def log_line(text: str) -> str:
-    """One line of a process's output made fit for a frame's ``log``: control characters (a
-    colour's escape, a progress bar's carriage return) escaped, cut to ``MAX_LOG_LINE``."""
+    """One line of a process's output made fit for a frame's ``log``: its line ending dropped,
+    control characters (a colour's escape) escaped, cut to ``MAX_LOG_LINE``."""
     return _quotable(text.rstrip("\r\n"), MAX_LOG_LINE)
 
 

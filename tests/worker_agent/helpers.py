@@ -34,10 +34,12 @@ def start_agent(
     options: tuple[str, ...] = (),
     trainer: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    output: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``python -m worker_agent run`` over the toy trainer; its log in ``tmp/agent-<node>.log``,
-    the commands its ranks carried out in ``tmp/toy-<node>.log``."""
-    log = (tmp / f"agent-{node}.log").open("ab")
+    """``python -m worker_agent run`` over the toy trainer; its log in ``tmp/agent-<node>.log``
+    (or ``output``, a file descriptor), the commands its ranks carried out in
+    ``tmp/toy-<node>.log``."""
+    log = (tmp / f"agent-{node}.log").open("ab") if output is None else output
     environment = clean_environment(
         TOY_LOG=str(tmp / f"toy-{node}.log"), PITSTOP_AGENT_TOKEN=token, **(env or {})
     )

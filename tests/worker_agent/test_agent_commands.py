@@ -5,6 +5,7 @@ sends an unknown action or a broken plan."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +263,29 @@ def test_a_rank_that_closes_its_link_is_a_crash_and_is_killed(
         assert agent.wait(timeout=15) == 0
     assert not faults.control_path(agent.pid).exists(), "the control socket removed"
     assert not [pid for pid in ranks if process_exists(pid)]
+
+
+def test_ranks_writing_to_stderr_train_on_when_the_agents_own_stderr_is_gone(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
+    """The agent reads each rank's stderr to its end even when it can no longer write it
+    anywhere: a pipe left full would stop the rank at its next write (64 KiB here is eight
+    steps of chatter)."""
+    read, write = os.pipe()
+    os.close(read)  # every write to the agent's stdout and stderr now fails (EPIPE)
+    try:
+        agent = start_agent(tmp_path, server=server.url, job="j", token="t", output=write,
+                            trainer=("--step-time", "0.01", "--chatter", "100"))  # fmt: skip
+    finally:
+        os.close(write)
+    try:
+        poll(lambda: (server.last_beat() or {}).get("step", 0) > 200, "200 steps of chatter", 30)
+        assert not server.of_type("fault")
+        ranks = children_of(agent.pid)
+        os.kill(max(ranks), signal.SIGKILL)
+        fault = poll(lambda: server.of_type("fault"), "the killed rank's fault")[0]
+        assert fault["exit_code"] == -9 and fault["pid"] == max(ranks)
+        assert fault["log"] and fault["log"][-1].startswith(f"device {fault['devices'][0]} step ")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -89,6 +90,9 @@ def main() -> int:
     parser.add_argument(
         "--warm-up", type=float, default=0.0, help="seconds of work before the first step"
     )
+    parser.add_argument(
+        "--chatter", type=int, default=0, help="lines written to stderr at every step"
+    )
     args = parser.parse_args()
     link = TrainerLink.from_env()
     folder = Path(os.environ.get("TOY_LOG", "toy.log")).parent
@@ -111,6 +115,8 @@ def main() -> int:
             if link.injected("nan"):
                 loss = float("nan")
             link.report_step(step, loss, time.monotonic() - began, samples=8, memory_bytes=1e9)
+            for line in range(args.chatter):
+                print(f"device {link.device} step {step} line {line}: {'.' * 60}", file=sys.stderr)
             if step == args.close_link_after and link.device == 1:
                 link.close()
                 while True:  # alive, but silent: only the link's end tells
