@@ -22,7 +22,7 @@ SIGKILLed: the node's ranks die with it), ``demo-auto`` has a rank SIGKILLed (cr
 and the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as
 an operator would. The devices chosen keep a live holder for every layer. After the round the
 two jobs start afresh with all their devices, and get an interval to start before the next
-round's first failure. It prints one line per event and a status line every ``--status``
+round's first failure, which also waits for ``demo-auto``'s first step. It prints one line per event and a status line every ``--status``
 seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops
 everything it started (agents first, the server and its Redis last) and leaves nothing running.
 Everything listens on 127.0.0.1.
@@ -415,6 +415,15 @@ class Reporter:
             return f"{what}: failed: {d.get('reason') or ''}"
         return f"{what}: {status.replace('_', ' ')}{f' ({policy})' if policy else ''}"
 
+    def trains(self, name: str) -> bool:
+        """Whether the job has taken a step (its live loss is a number); False when the control
+        plane does not answer."""
+        try:
+            live = self.plane.api(f"/api/v1/jobs/{self.jobs[name]}/live/")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return isinstance(live.get("loss"), float)
+
     def status(self) -> None:
         parts = []
         for name, job in self.jobs.items():
@@ -603,6 +612,7 @@ class Demo:
         next_fault = started + args.every
         turn = 0
         fresh = True  # the jobs started afresh and no failure was injected since
+        waiting = False  # said that the round's first failure waits for its job's first step
         while args.seconds is None or time.monotonic() - started < args.seconds:
             if dead := [n for n in self.processes.died() if not n.startswith("demo-")]:
                 reporter.say(f"{', '.join(dead)} exited; see {self.processes.logs}/")
@@ -622,13 +632,24 @@ class Demo:
             if not args.no_faults and time.monotonic() >= next_fault:
                 # fresh jobs get an interval to start, as the first round's did: a node lost
                 # before its hello is only found at the join deadline, after the next failure
+                target = f"demo-{ROUND[turn % len(ROUND)][0]}"
                 if turn % len(ROUND) == 0 and not fresh:
                     reporter.say("a round of failures done: both jobs start afresh")
                     self.restart_jobs(reporter)
                     fresh = True
+                elif fresh and not reporter.trains(target):
+                    # and the round's first failure waits for the job's first step: a job still
+                    # importing torch and forming its groups (slow on a busy machine) has no
+                    # training to recover yet
+                    if not waiting:
+                        reporter.say(f"{target} has not taken a step yet: the failure waits for it")
+                        waiting = True
+                    next_fault = time.monotonic() + 1
+                    continue
                 else:
                     self.inject(reporter, turn)
                     turn, fresh = turn + 1, False
+                waiting = False
                 next_fault = time.monotonic() + args.every
             time.sleep(0.5)
         return 0
