@@ -22,9 +22,10 @@ SIGKILLed: the node's ranks die with it), ``demo-auto`` has a rank SIGKILLed (cr
 and the hang are drills sent through the control plane (``POST /api/v1/jobs/{id}/drills/``), as
 an operator would. The devices chosen keep a live holder for every layer. After the round the
 two jobs start afresh with all their devices, and get an interval to start before the next
-round's first failure, which also waits for ``demo-auto``'s first step. It prints one line per event and a status line every ``--status``
-seconds; the processes' own logs are in ``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops
-everything it started (agents first, the server and its Redis last) and leaves nothing running.
+round's first failure, which also waits for ``demo-auto``'s first step. It prints one line per
+event and a status line every ``--status`` seconds; the processes' own logs are in
+``DATA_DIR/demo-logs/``. Ctrl-C or SIGTERM stops everything it started (agents first, the
+server and its Redis last) and leaves nothing running.
 Everything listens on 127.0.0.1.
 """
 
