@@ -90,11 +90,7 @@ def choice_gain(runs: Mapping[str, Sequence[Run]], chooser: str = CHOOSER) -> di
         return None
     others = {name: policy_runs for name, policy_runs in runs.items() if name != chooser}
     best = max(others, key=lambda name: statistics.fmean(r.samples for r in others[name]))
-    ratios = [
-        run.samples / fixed.samples
-        for run, fixed in zip(runs[chooser], others[best], strict=True)
-        if fixed.samples > 0
-    ]
+    ratios = _seed_ratios(runs[chooser], others[best])
     if not ratios:
         return None
     mean, lo, hi = mean_ci95(ratios)
@@ -114,15 +110,21 @@ def share_of_ideal(runs: Sequence[Run], ideal: Sequence[Run]) -> dict[str, Any] 
     Seeds on which the ideal trained nothing (nor, then, any policy) have no share; None when
     no seed has one.
     """
-    shares = [
-        run.samples / bound.samples
-        for run, bound in zip(runs, ideal, strict=True)
-        if bound.samples > 0
-    ]
+    shares = _seed_ratios(runs, ideal)
     if not shares:
         return None
     mean, lo, hi = mean_ci95(shares)
     return {"mean": mean, "ci95": [lo, hi]}
+
+
+def _seed_ratios(runs: Sequence[Run], against: Sequence[Run]) -> list[float]:
+    """Each seed's samples of ``runs`` over those of ``against`` on the same trace, but the
+    seeds on which ``against`` trained nothing."""
+    return [
+        run.samples / other.samples
+        for run, other in zip(runs, against, strict=True)
+        if other.samples > 0
+    ]
 
 
 def time_grid(horizon_s: float, points: int = 200) -> list[float]:

@@ -403,9 +403,12 @@
     socket.onclose = (event) => {
       markStale(true);
       if (sessionOver) return;
+      if (event.code === 4401) { // the listener above stops the page
+        document.dispatchEvent(new CustomEvent("pitstop:session-ended"));
+        return;
+      }
       if (event.code in FINAL) {
         state.textContent = `stopped: ${FINAL[event.code]}`;
-        if (event.code === 4401) document.dispatchEvent(new CustomEvent("pitstop:session-ended"));
         return;
       }
       state.textContent = "disconnected, retrying…";
