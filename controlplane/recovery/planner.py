@@ -23,7 +23,9 @@ everything skipped was skipped by a bound that is proven (``StageTable``).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -85,7 +87,9 @@ def distribute_batch(micro_batches: int, lengths: Sequence[int]) -> list[int] | 
     if micro_batches < len(lengths):
         return None
     total = sum(lengths)
-    shares = [micro_batches * length // total for length in lengths]
+    # one division per distinct length: at scale there are tens of thousands of pipelines
+    share = {length: micro_batches * length // total for length in set(lengths)}
+    shares = list(map(share.__getitem__, lengths))
     for k in range(micro_batches - sum(shares)):
         shares[k % len(shares)] += 1
     while 0 in shares:
@@ -492,6 +496,34 @@ class _Search:
             before += counts[length]
         return False
 
+    def _first_unpruned(self, counts: dict[int, int], length: int, low: int, high: int) -> int:
+        """The greatest k in [low, high] that ``_leftover_pruned`` keeps with ``length`` × k
+        (``low`` when it keeps none: k = 0 is never pruned), found by bisection.
+
+        A greater k forces at least as many leftovers onto the same lengths, so the lengths
+        checked only grow with k and pruning is monotone: the k above the answer are exactly
+        those ``_extend`` would try and skip one by one (at scale, tens of thousands a node).
+        ``high`` is checked first, as the linear walk would, so the oracle sees the same calls.
+        """
+
+        def pruned(k: int) -> bool:
+            counts[length] = k
+            try:
+                return k > 0 and self._leftover_pruned(counts)
+            finally:
+                counts.pop(length)
+
+        if high <= low or not pruned(high):
+            return high
+        keep, drop = low, high  # pruned(drop); pruned(keep) only when keep == low
+        while drop - keep > 1:
+            middle = (keep + drop) // 2
+            if pruned(middle):
+                drop = middle
+            else:
+                keep = middle
+        return keep
+
     def _extend(self, counts: dict[int, int], length: int, remaining: int, count: int) -> None:
         """Choose how many pipelines have ``length`` stages, then recurse to shorter ones."""
         self.nodes += 1
@@ -515,7 +547,7 @@ class _Search:
                 return
             high = 0
         # More pipelines of the longest length first: the near-even partitions come early.
-        for k in range(high, low - 1, -1):
+        for k in range(self._first_unpruned(counts, length, low, high), low - 1, -1):
             if k:
                 counts[length] = k
                 if self._leftover_pruned(counts):
@@ -527,7 +559,11 @@ class _Search:
                 return
 
     def _leaf(self, counts: dict[int, int]) -> None:
-        lengths = tuple(sorted((s for s, k in counts.items() for _ in range(k)), reverse=True))
+        lengths = tuple(
+            itertools.chain.from_iterable(
+                itertools.repeat(s, counts[s]) for s in sorted(counts, reverse=True)
+            )
+        )
         shares = distribute_batch(self.micro_batches, lengths)
         if shares is None:
             return
@@ -550,12 +586,10 @@ class _Search:
             step = max(step, best[0])
         if self._beyond(step):
             return
-        pipelines = tuple(
-            PipelineShape(best_of[(length, m)][1], m)
-            for length, m in zip(lengths, shares, strict=True)
-        )
+        shape_of = {pair: PipelineShape(best[1], pair[1]) for pair, best in best_of.items()}
+        pipelines = tuple(map(shape_of.__getitem__, zip(lengths, shares, strict=True)))
         # Rank by time, then by the more even partition (reverse-sorted lengths compare smaller).
-        entry = (-step, tuple(-x for x in lengths), PlanShape(pipelines, step))
+        entry = (-step, tuple(map(operator.neg, lengths)), PlanShape(pipelines, step))
         if any(e[1] == entry[1] for e in self.found):
             return
         if len(self.found) < self.top_k:

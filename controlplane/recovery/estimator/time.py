@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
+from controlplane.recovery import replicas
 from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds
@@ -194,6 +195,37 @@ def rerouted_extra_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
     return extra
 
 
+def _pipeline_like(known: replicas.Replicas, cluster: Cluster, links: replicas.Links) -> Pipeline:
+    """A pipeline of the split with the given ``Links``: every pipeline with them takes the same
+    eq. 11 time (its stages' first devices only tell ``p2p_times`` whether they share a node)."""
+    micro_batches, same_node = links
+    nodes = itertools.accumulate((not same for same in same_node), initial=0)
+    return Pipeline(
+        stages=tuple(
+            Stage(devices=(node * cluster.devices_per_node,), layers=layers)
+            for node, layers in zip(nodes, known.split, strict=True)
+        ),
+        micro_batches=micro_batches,
+    )
+
+
+def _rerouted_extra_time(profile: ModelProfile, known: replicas.Replicas) -> float:
+    """``rerouted_extra_time`` from the replicas, the stages summed in the order it meets them."""
+    first = sorted((min(lost), s) for s, lost in enumerate(known.rerouted) if lost)
+    extra = 0.0
+    for _, s in first:
+        layers = known.split[s]
+        survivors = len(known.live[s])
+        if survivors == 0:
+            raise InfeasiblePlan(
+                f"layers {list(layers)} have no live replica to reroute to",
+                decline=Code.NO_LIVE_REPLICA,
+            )
+        lost = sum(known.rerouted[s].values())
+        extra += lost / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
+    return extra
+
+
 def update_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
     """The optimizer update after the gradient sync: the slowest device's, each device updating
     every layer it holds once (a device serving a rerouted stage holds those layers already)."""
@@ -274,6 +306,12 @@ def estimate_step_time(
             plan, pipelines=tuple(p for q, p in enumerate(plan.pipelines) if q not in merged)
         )
         compute += rerouted_extra_time(profile, rest)
+    elif (known := replicas.of(plan, cluster)) is not None:
+        compute = max(
+            estimate_pipeline(profile, cluster, _pipeline_like(known, cluster, links), tp)
+            for links in known.links
+        )
+        compute += _rerouted_extra_time(profile, known)
     else:
         compute = max(estimate_pipeline(profile, cluster, p, tp) for p in plan.pipelines)
         compute += rerouted_extra_time(profile, plan)
@@ -320,6 +358,16 @@ def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionP
     """
     if cluster.communication_is_free or plan.dp <= 1:
         return 0.0
+    known = replicas.of(plan, cluster)
+    if known is not None:
+        # one segment per stage, its live replicas' groups, all in one round (no device holds
+        # two stages): what the general path below finds for such a plan
+        slowest = 0.0
+        for s, layers in enumerate(known.split):
+            gbps = cluster.intra_node_gbps if known.one_node(s) else cluster.inter_node_gbps
+            nbytes = profile.grad_bytes(*layers) / known.tp
+            slowest = max(slowest, ring_allreduce_s(nbytes, len(known.live[s]), bytes_per_s(gbps)))
+        return 0.0 + slowest
     if _same_split(plan):
         rounds = [
             [

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
+from controlplane.recovery import replicas
 from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
-from controlplane.recovery.estimator import estimate_step_time, peak_memory
+from controlplane.recovery.estimator import estimate_step_time
+from controlplane.recovery.estimator.memory import device_peaks, devices_above, highest_peak
 from controlplane.recovery.model import (
     Candidate,
     ClusterState,
@@ -101,14 +103,16 @@ def score(
         step_time = estimate_step_time(state.profile, state.cluster, plan) * step_time_factor
     except InfeasiblePlan as exc:
         return Candidate.declined(policy, exc.decline, str(exc))
-    peaks = {d: b + extra_memory_bytes for d, b in peak_memory(state.profile, plan).items()}
+    peaks = device_peaks(state.profile, state.cluster, plan)
+    if extra_memory_bytes:
+        peaks = {d: b + extra_memory_bytes for d, b in peaks.items()}
     capacity = state.cluster.device_memory_bytes
-    over = [d for d, b in peaks.items() if b > capacity]
+    over = devices_above(peaks, capacity)
     if over:
         return Candidate(
             policy=policy,
             code=Code.OUT_OF_MEMORY,
-            note=f"out of memory on devices {sorted(over)[:8]}: peak {max(peaks.values()):.3g} "
+            note=f"out of memory on devices {sorted(over)[:8]}: peak {highest_peak(peaks):.3g} "
             f"bytes > capacity {capacity:.3g}",
             plan=plan,
             est_step_time_s=step_time,
@@ -117,7 +121,7 @@ def score(
         )
     # t_state: the job is interrupted by a fault of any device its plan runs on
     t_state = expected_time_to_failure_s(
-        state.cluster.failure_rate_per_device_hour, len(plan.devices())
+        state.cluster.failure_rate_per_device_hour, replicas.device_count(plan, state.cluster)
     )
     return Candidate(
         policy=policy,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from controlplane.recovery import replicas
 from controlplane.recovery.codes import Caveat, Code, Option
 from controlplane.recovery.estimator.time import gradient_sync_floor_s
 from controlplane.recovery.model import Candidate, ClusterState, Failure, TransitionCost
@@ -45,8 +46,15 @@ def plan_dynamic(
     option's objective), nothing is placed and the candidate is declined as ``Code.DOMINATED``.
     ``include_spares`` lets the re-plan use the spare devices too.
     """
-    groups = usable_groups(state, include_spares=include_spares)
-    if not groups:
+    count = replicas.usable_group_count(
+        state.plan, state.cluster, state.failed, include_spares=include_spares
+    )
+    # listed when a shape is placed: at scale the count alone often decides (the cut below)
+    listed: list[tuple[int, ...]] = []
+    if count is None:
+        listed = usable_groups(state, include_spares=include_spares)
+        count = len(listed)
+    if not count:
         return Candidate.declined(policy, Code.NO_DEVICE_GROUP, "no healthy device group left")
     fixed = TransitionCost(
         detection_s=state.assumptions.detection_s,
@@ -54,9 +62,9 @@ def plan_dynamic(
         restart_s=state.assumptions.restart_s,
         lost_work_s=interrupted_work_s(state),
     )
-    widths = dp_window(state.plan.dp, len(groups))
+    widths = dp_window(state.plan.dp, count)
     kwargs = {
-        "groups": len(groups),
+        "groups": count,
         "tp": state.plan.tp,
         "dp_options": widths,
         "exhaustive": exhaustive,
@@ -68,19 +76,17 @@ def plan_dynamic(
         return Candidate.declined(
             policy,
             Code.NO_FITTING_PLAN,
-            f"no plan over {len(groups)} device groups fits memory and the batch "
+            f"no plan over {count} device groups fits memory and the batch "
             f"({state.training.micro_batches} micro-batches)",
         )
 
-    t_state = expected_time_to_failure_s(
-        state.cluster.failure_rate_per_device_hour, sum(len(g) for g in groups)
-    )
+    # counted from replicas, every group has tp devices (so has every regrouped one)
+    in_groups = sum(len(g) for g in listed) if listed else count * state.plan.tp
+    t_state = expected_time_to_failure_s(state.cluster.failure_rate_per_device_hour, in_groups)
     ratio = 1.0 if math.isinf(t_state) else t_state / (t_state + fixed.total_s)
     # Every shape's step is at least its compute time plus the gradient sync all shapes pay.
     sync_floor_s = min(
-        gradient_sync_floor_s(
-            state.profile, state.cluster, groups=len(groups), dp=dp, tp=state.plan.tp
-        )
+        gradient_sync_floor_s(state.profile, state.cluster, groups=count, dp=dp, tp=state.plan.tp)
         for dp in widths
     )
 
@@ -104,7 +110,9 @@ def plan_dynamic(
     def evaluate(shape: PlanShape) -> Candidate:
         # the window search finds the first shape again: place and score each shape once
         if shape not in scored:
-            plan, placement = realize(state, shape, groups)
+            if not listed:
+                listed.extend(usable_groups(state, include_spares=include_spares))
+            plan, placement = realize(state, shape, listed)
             scored[shape] = score(
                 policy,
                 state,
@@ -119,7 +127,7 @@ def plan_dynamic(
     cut = state.training.global_batch / best.objective * ratio
     # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
     # window holds one more, to tell whether the cap left out a shape that could still win.
-    limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // len(groups))
+    limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // count)
     window = search(
         state.profile,
         state.cluster,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from controlplane.recovery import replicas
 from controlplane.recovery.codes import Code
 from controlplane.recovery.model import (
     Candidate,
+    Cluster,
     ClusterState,
     ExecutionPlan,
     Failure,
@@ -16,12 +18,24 @@ from controlplane.recovery.model import (
 from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
 
 
-def reroute(plan: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | str:
+def reroute(
+    plan: ExecutionPlan, failed: frozenset[int], cluster: Cluster | None = None
+) -> ExecutionPlan | str:
     """The plan with every stage that touches a failed device served by its live peers.
 
     A peer is a live stage with the identical layer range in another pipeline (after an
     asymmetric re-plan there may be none). Returns a reason string when some stage has no peer.
+    Given the cluster, a plan whose pipelines share one split is rerouted from its ``Replicas``
+    in the time of the stages that change, to the same plan.
     """
+    known = None if cluster is None else replicas.of(plan, cluster)
+    if known is not None:
+        assert cluster is not None
+        found = replicas.rerouted(plan, known, failed)
+        if isinstance(found, str):
+            return found
+        replicas.remember(found[0], cluster, found[1])
+        return found[0]
     live: dict[tuple[int, int], list[tuple[int, ...]]] = {}
     for _, _, stage in plan.stages():
         if not stage.rerouted and not failed & set(stage.devices):
@@ -45,7 +59,7 @@ def reroute(plan: ExecutionPlan, failed: frozenset[int]) -> ExecutionPlan | str:
 
 
 def plan_rerouting(policy: str, state: ClusterState) -> Candidate:
-    plan = reroute(state.plan, state.failed)
+    plan = reroute(state.plan, state.failed, state.cluster)
     if isinstance(plan, str):
         return Candidate.declined(policy, Code.NO_LIVE_REPLICA, plan)
     # Odyssey §IV-A: rerouting switches on the fly, so only the interrupted step is lost.

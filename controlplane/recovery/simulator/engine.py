@@ -10,7 +10,7 @@ from typing import Any
 
 import simpy
 
-from controlplane.recovery import policies
+from controlplane.recovery import policies, replicas
 from controlplane.recovery.causes import Cause
 from controlplane.recovery.decision import decide
 from controlplane.recovery.model import (
@@ -79,7 +79,7 @@ class _Job:
         self.name = policy.name
         self.policy = policy
         self.state = state
-        self.plan_devices = state.plan.devices()
+        self.plan_devices = replicas.devices(state.plan, state.cluster)
         self.step_s = starting_step_s(self.policy, state)
         self.effective_s = effective_step_s(self.policy, state, self.step_s)
         self.mode = _Mode.RUNNING
@@ -260,7 +260,7 @@ class _Job:
                 lost_work_s=interrupted_work_s(self.state) + self._rollback_s(),
             )
         pieces = transition_pieces(cost)
-        plan_devices = candidate.plan.devices()
+        plan_devices = replicas.devices(candidate.plan, self.state.cluster)
         now = self.env.now
         self.recoveries.append(
             Recovery(
