@@ -334,7 +334,10 @@ def measure(
     ingested = after[2] - before[2]
     killed = {int(k): v for o in outs for k, v in o["kills"].items()}
     hung = {int(k): v for o in outs for k, v in o["hangs"].items()}
-    kill_s = sorted(detected[n_] - t for n_, t in killed.items() if n_ in detected)
+    # in the order the kills came, so that a slow one can be told from a queue behind it
+    kill_order = [detected[n_] - t for n_, t in sorted(killed.items(), key=lambda kv: kv[1])
+                  if n_ in detected]  # fmt: skip
+    kill_s = sorted(kill_order)
     hang_s = sorted(detected[n_] - t for n_, t in hung.items() if n_ in detected)
     p50, p99 = percentile(window_buckets, 0.5), percentile(window_buckets, 0.99)
     welcomes = sorted(w for o in outs for w in o["welcome_s"])
@@ -357,6 +360,7 @@ def measure(
         "kills_detected": len(kill_s),
         "kill_p50_s": _quantile(kill_s, 0.5),
         "kill_p99_s": _quantile(kill_s, 0.99),
+        "kill_each_s": kill_order,
         "hangs": len(hung),
         "hangs_detected": len(hang_s),
         "hang_max_s": max(hang_s) if hang_s else None,
