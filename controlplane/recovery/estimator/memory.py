@@ -26,6 +26,14 @@ def stage_peak_bytes(
     return (profile.static_bytes(*layers) + in_flight * profile.activation_bytes(*layers)) / tp
 
 
+def borrowed_bytes(
+    profile: ModelProfile, layers: tuple[int, int], lost: float, replicas: int, tp: int
+) -> float:
+    """What a live replica keeps for rerouted micro-batches: its share of the ``lost`` ones,
+    rounded up, each with the stage's activations."""
+    return math.ceil(lost / replicas) * profile.activation_bytes(*layers) / tp
+
+
 def peak_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
     """Peak bytes on every device the plan uses.
 
@@ -57,8 +65,7 @@ def peak_memory(profile: ModelProfile, plan: ExecutionPlan) -> dict[int, float]:
             lost = extra_mb.get(stage.layers)
             if stage.rerouted or not lost:
                 continue
-            share = math.ceil(lost / replicas[stage.layers])
-            extra = share * profile.activation_bytes(*stage.layers) / tp
+            extra = borrowed_bytes(profile, stage.layers, lost, replicas[stage.layers], tp)
             for device in stage.devices:
                 peaks[device] += extra
     return peaks
@@ -78,8 +85,7 @@ class StagePeaks(Mapping[int, float]):
             for m in known.micro_batch_counts:
                 peak = stage_peak_bytes(profile, layers, s, depth, m, known.tp)
                 if lost and known.live[s]:
-                    share = math.ceil(lost / len(known.live[s]))
-                    peak += share * profile.activation_bytes(*layers) / known.tp
+                    peak += borrowed_bytes(profile, layers, lost, len(known.live[s]), known.tp)
                 self.by_stage[s, m] = peak
         self._dict: dict[int, float] | None = None
 

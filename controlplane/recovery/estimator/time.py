@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 
@@ -183,15 +183,25 @@ def rerouted_extra_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
                 by_range.setdefault(stage.layers, []).append(pipeline.micro_batches)
             else:
                 live_replicas[stage.layers] = live_replicas.get(stage.layers, 0) + 1
+    return _spread_time(
+        profile,
+        ((layers, sum(lost), live_replicas.get(layers, 0)) for layers, lost in by_range.items()),
+    )
+
+
+def _spread_time(
+    profile: ModelProfile, ranges: Iterable[tuple[tuple[int, int], int, int]]
+) -> float:
+    """Eq. 13's extra seconds, summed in the given order over (layer range, micro-batches
+    rerouted off it, its live replicas)."""
     extra = 0.0
-    for layers, lost in by_range.items():
-        survivors = live_replicas.get(layers, 0)
+    for layers, lost, survivors in ranges:
         if survivors == 0:
             raise InfeasiblePlan(
                 f"layers {list(layers)} have no live replica to reroute to",
                 decline=Code.NO_LIVE_REPLICA,
             )
-        extra += sum(lost) / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
+        extra += lost / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
     return extra
 
 
@@ -212,18 +222,10 @@ def _pipeline_like(known: replicas.Replicas, cluster: Cluster, links: replicas.L
 def _rerouted_extra_time(profile: ModelProfile, known: replicas.Replicas) -> float:
     """``rerouted_extra_time`` from the replicas, the stages summed in the order it meets them."""
     first = sorted((min(lost), s) for s, lost in enumerate(known.rerouted) if lost)
-    extra = 0.0
-    for _, s in first:
-        layers = known.split[s]
-        survivors = len(known.live[s])
-        if survivors == 0:
-            raise InfeasiblePlan(
-                f"layers {list(layers)} have no live replica to reroute to",
-                decline=Code.NO_LIVE_REPLICA,
-            )
-        lost = sum(known.rerouted[s].values())
-        extra += lost / survivors * (profile.fwd(*layers) + profile.bwd(*layers))
-    return extra
+    return _spread_time(
+        profile,
+        ((known.split[s], sum(known.rerouted[s].values()), len(known.live[s])) for _, s in first),
+    )
 
 
 def update_time(profile: ModelProfile, plan: ExecutionPlan) -> float:
@@ -367,7 +369,7 @@ def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionP
             gbps = cluster.intra_node_gbps if known.one_node(s) else cluster.inter_node_gbps
             nbytes = profile.grad_bytes(*layers) / known.tp
             slowest = max(slowest, ring_allreduce_s(nbytes, len(known.live[s]), bytes_per_s(gbps)))
-        return 0.0 + slowest
+        return slowest
     if _same_split(plan):
         rounds = [
             [
