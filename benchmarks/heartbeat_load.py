@@ -56,7 +56,7 @@ def ramp_s(connections: int) -> float:
     return min(10.0, max(1.0, connections / 200))
 
 
-P99_GOAL_S, KILL_GOAL_S, HANG_GOAL_S = 0.1, 0.3, 2.0
+P99_GOAL_S, KILL_GOAL_S, HANG_GOAL_S = 0.1, 0.1, 2.0
 
 
 def scenario(nodes: int) -> dict[str, Any]:

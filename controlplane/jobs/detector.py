@@ -61,7 +61,7 @@ def _silent_node(job_id: int, node_name: str, last_heard_s: float) -> int | None
         occurred_at=min(heard, timezone.now()),
         node=node,
         message=f"no heartbeat for {deadline_s():g} s ({liveness.MISSED_BEATS} missed)",
-        step=snapshot.job_step(job_id, node=node_name),
+        step=snapshot.job_step(job_id),
         plan=enqueue_planning,
     )
     return decision.pk

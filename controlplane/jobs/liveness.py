@@ -46,6 +46,12 @@ def frames_key(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:frames"
 
 
+def steps_key(job_id: int) -> str:
+    """Each node of the job's step in its latest heartbeat (those that sent one, until the node
+    is forgotten), scored by it: the job's step is the highest, one read however many nodes."""
+    return f"{PREFIX}:job:{job_id}:steps"
+
+
 JOBS_KEY = f"{PREFIX}:jobs"  # jobs with a node connected, for the detector's scan
 BEATS_KEY = f"{PREFIX}:heartbeats"  # every heartbeat received, for /metrics
 LAG_KEY = f"{PREFIX}:ingest_lag"  # histogram of the ingest lag: bucket bound (s) -> count
@@ -92,17 +98,20 @@ def sync_client() -> redis_sync.Redis:
     return _sync
 
 
+Beat = tuple[float, str, int | None]  # a node's latest heartbeat: heard at, its text, its step
+
+
 class Writer:
     """One event loop's heartbeat writes: ``beat`` queues, a task writes what queued meanwhile
-    in one pipeline (per job: one ZADD and one HSET for all its nodes), then records the lag
-    of every beat received, superseded ones included."""
+    in one pipeline (per job: a ZADD of when and one of the steps, and one HSET, for all its
+    nodes), then records the lag of every beat received, superseded ones included."""
 
     def __init__(self, redis: aioredis.Redis, name: str = "") -> None:
         self.redis = redis
         self.name = name  # this process's and loop's, in ``BEHIND_KEY``
         self.since: float | None = None  # when the oldest beat queued now was queued (monotonic)
-        # per job, each node's latest beat (heard at, frame text), or None to forget the node
-        self.queued: dict[int, dict[str, tuple[float, str] | None]] = {}
+        # per job, each node's latest beat (heard at, frame text, step), or None to forget it
+        self.queued: dict[int, dict[str, Beat | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
         self.flushing: asyncio.Task[None] | None = None
         # resolved when the queue as it stands is written, and when the batch in flight is
@@ -110,12 +119,14 @@ class Writer:
         self.writing_done: asyncio.Future[None] | None = None
         self.watching: asyncio.Task[None] | None = None  # its loop's ``watch_loop``
 
-    def beat(self, job_id: int, node: str, at_s: float, frame: str, sent_s: float) -> None:
+    def beat(
+        self, job_id: int, node: str, at_s: float, frame: str, sent_s: float, step: int | None
+    ) -> None:
         """Queue the heartbeat ``frame`` (its JSON text) heard at ``at_s``, which its agent sent
-        at ``sent_s`` (the agent's clock)."""
+        at ``sent_s`` (the agent's clock); ``step``, the frame's (None: it has none)."""
         if self.since is None:
             self.since = time.monotonic()
-        self.queued.setdefault(job_id, {})[node] = (at_s, frame)
+        self.queued.setdefault(job_id, {})[node] = (at_s, frame, step)
         self.sent.append(sent_s)
         self._schedule()
 
@@ -158,7 +169,7 @@ class Writer:
 
     async def _write(
         self,
-        batch: dict[int, dict[str, tuple[float, str] | None]],
+        batch: dict[int, dict[str, Beat | None]],
         sent: list[float],
         since: float | None,
     ) -> None:
@@ -172,12 +183,20 @@ class Writer:
                 for job_id, nodes in batch.items():
                     beats = {node: beat for node, beat in nodes.items() if beat is not None}
                     gone = [node for node, beat in nodes.items() if beat is None]
+                    stepped = {n: s for n, (_, _, s) in beats.items() if s is not None}
+                    stepless = [n for n, (_, _, s) in beats.items() if s is None]
                     if beats:
-                        pipe.zadd(seen_key(job_id), {node: at for node, (at, _) in beats.items()})
-                        pipe.hset(frames_key(job_id), mapping={n: f for n, (_, f) in beats.items()})
+                        pipe.zadd(seen_key(job_id), {n: at for n, (at, _, _) in beats.items()})
+                        pipe.hset(
+                            frames_key(job_id), mapping={n: f for n, (_, f, _) in beats.items()}
+                        )
+                    if stepped:
+                        pipe.zadd(steps_key(job_id), stepped)
                     if gone:
                         pipe.zrem(seen_key(job_id), *gone)
                         pipe.hdel(frames_key(job_id), *gone)
+                    if gone or stepless:
+                        pipe.zrem(steps_key(job_id), *gone, *stepless)
                 pipe.sadd(JOBS_KEY, *batch)
                 pipe.incrby(BEATS_KEY, len(sent))
                 self._lag_into(pipe, sent)

@@ -87,34 +87,24 @@ def latest(redis: redis_sync.Redis, job_id: int) -> dict[str, Any]:
     pipe = redis.pipeline(transaction=False)
     pipe.set(key, text, px=int(MAX_AGE_S * 1000))
     pipe.set(f"{key}:last", text, ex=60)
-    # the step alone, for ``job_step``: a failure recorded reads a number, not every node's picture
-    pipe.set(f"{key}:step", json.dumps(built["step"]), px=int(MAX_AGE_S * 1000))
     pipe.execute()
     return built
 
 
-def _step(redis: redis_sync.Redis, job_id: int) -> Any:
-    """The step of the job's snapshot (``latest``), read alone while it is cached."""
-    cached = redis.get(f"{snapshot_key(job_id)}:step")
-    return json.loads(cached) if cached is not None else latest(redis, job_id)["step"]
-
-
-def job_step(job_id: int, *, node: str | None = None, known: int | None = None) -> int | None:
-    """The job's last reported step as its live picture shows it (``latest``: the highest of
-    its nodes' latest heartbeats, at most ``MAX_AGE_S`` old), counting ``node``'s latest
-    heartbeat and a step ``known`` otherwise too (a node that just failed, which the picture
-    may have dropped); None when none is known. Redis out of reach counts as nothing known:
-    what asks (a failure being recorded) goes on without."""
+def job_step(job_id: int, *, known: int | None = None) -> int | None:
+    """The job's last reported step: the highest of its nodes' latest heartbeats (``Writer``
+    keeps them, scored, in ``liveness.steps_key``), and a step ``known`` otherwise (a node that
+    just failed, which may be forgotten by now); None when none is known. One read, not the
+    picture of every node: at 2,048 nodes, building that took 0.1 s of a failure's record.
+    Redis out of reach counts as nothing known: what asks (a failure being recorded) goes on
+    without."""
     steps = [known]
     try:
-        redis = liveness.sync_client()
-        steps.append(_step(redis, job_id))
-        if node is not None:
-            raw = redis.hget(liveness.frames_key(job_id), node)
-            steps.append(json.loads(raw).get("step") if raw else None)
-    except (RedisError, OSError, ValueError):
+        highest = liveness.sync_client().zrange(liveness.steps_key(job_id), -1, -1, withscores=True)
+        steps.extend(int(pair[1]) for pair in highest)
+    except (RedisError, OSError):
         pass
-    return max((s for s in steps if isinstance(s, int)), default=None)
+    return max((s for s in steps if s is not None), default=None)
 
 
 # The aggregates of finite reports stay finite, so the picture is always valid JSON (which has

@@ -184,7 +184,7 @@ def _fault(session: Session, frame: protocol.Fault) -> int:
     # the step the agent saw it at (its rank's last), fresher than a heartbeat (a beat old)
     step = frame.step
     if step is None:
-        step = snapshot.job_step(session.job_id, node=session.node)
+        step = snapshot.job_step(session.job_id)
     _, decision = decisions.record_failure(
         node.job,
         kind=frame.kind.value,
@@ -522,7 +522,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # (``1e3`` for a step, a key twice), so that readers parse what the schema says
             self.raw = protocol.encode(frame)
             session = self.session
-            self.writer.beat(session.job_id, session.node, self.last_heard_s, self.raw, frame.at)
+            self.writer.beat(
+                session.job_id, session.node, self.last_heard_s, self.raw, frame.at, frame.step
+            )
             if self.awaited and _training(frame):
                 await self.trains(frame.step)
         elif isinstance(frame, protocol.Profile):
@@ -617,7 +619,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.leaving = True  # never welcomed: the node is not this socket's to lose
             raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
         self.last_heard_s = time.time()
-        self.writer.beat(session.job_id, session.node, self.last_heard_s, "{}", self.last_heard_s)
+        self.writer.beat(
+            session.job_id, session.node, self.last_heard_s, "{}", self.last_heard_s, None
+        )
         await self.writer.settle()  # watched by the deadline before the agent is welcomed
         await self.tell(
             protocol.encode(
@@ -635,7 +639,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # a welcome slow to leave (a server busy with many hellos): the agent's first beat
             # is due an interval after it, so the deadline counts from the welcome
             self.last_heard_s = welcomed_s
-            self.writer.beat(session.job_id, session.node, welcomed_s, "{}", welcomed_s)
+            self.writer.beat(session.job_id, session.node, welcomed_s, "{}", welcomed_s, None)
         log.info("agent.hello", job=session.job_id, node=session.node)
         # what was sent while this agent was away, or not acknowledged before it reconnected
         for command in unfinished:
@@ -672,6 +676,6 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # watched again from its last beat: the detector records it at the deadline
             log.exception("agent.loss_not_recorded", job=session.job_id, node=session.node)
             heard = self.last_heard_s or time.time()
-            self.writer.beat(session.job_id, session.node, heard, self.raw, heard)
+            self.writer.beat(session.job_id, session.node, heard, self.raw, heard, self.last_step)
             return
         log.info("agent.lost", job=session.job_id, node=session.node, code=code)

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from django.test import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controlplane.jobs import liveness, snapshot
 from controlplane.jobs.services import create_job
@@ -33,7 +35,7 @@ async def beat(job_id: int, beats: list[tuple[str, int, list[str]]]) -> None:
                                        "samples_per_s": 10.0, "step_time_s": 1.0 + step / 1000,
                                        "devices": devices}  # fmt: skip
             now = time.time()
-            writer.beat(job_id, node, now, json.dumps(metrics), now)
+            writer.beat(job_id, node, now, json.dumps(metrics), now, step)
         while writer.flushing is not None:
             await asyncio.sleep(0.005)
     finally:
@@ -102,14 +104,14 @@ def test_settling_waits_for_the_beats_queued_not_for_a_stream_that_never_stops()
         async def stream() -> None:  # another socket's beats, without a pause
             while streaming:
                 now = time.time()
-                writer.beat(999_999, "node-busy", now, "{}", now)
+                writer.beat(999_999, "node-busy", now, "{}", now, None)
                 await asyncio.sleep(0)
 
         other = asyncio.create_task(stream())
         try:
             await asyncio.sleep(0.05)
             now = time.time()
-            writer.beat(999_999, "node-new", now, '{"step": 1}', now)
+            writer.beat(999_999, "node-new", now, '{"step": 1}', now, 1)
             await asyncio.wait_for(writer.settle(), timeout=10)
             assert not other.done()  # settled while the stream went on
             assert await liveness.latest(redis, 999_999, "node-new") is not None
@@ -119,6 +121,58 @@ def test_settling_waits_for_the_beats_queued_not_for_a_stream_that_never_stops()
             writer.forget(999_999, "node-busy")
             writer.forget(999_999, "node-new")
             await writer.settle()
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+NODES = ("node-0", "node-1", "node-2")
+# a node's heartbeat with its step, one without (a hello's), or the node forgotten (lost, left)
+BEATS = st.tuples(st.sampled_from(NODES), st.none() | st.integers(0, 2**53 - 1) | st.just("gone"))
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rounds=st.lists(st.lists(BEATS, max_size=5), min_size=1, max_size=4),
+    known=st.none() | st.integers(0, 2**53 - 1),
+)
+def test_the_job_step_is_the_highest_of_the_nodes_latest_steps(
+    rounds: list[list[tuple[str, int | str | None]]], known: int | None
+) -> None:
+    """``job_step`` reads one key, kept by the writer: whatever the beats and losses, in
+    whatever batches, it is the highest step of the nodes' latest heartbeats, or ``known``."""
+    job_id = 999_998
+    latest: dict[str, int] = {}  # the reference: each node's latest step, while it has one
+
+    async def scenario() -> None:
+        redis = liveness.client()
+        writer = liveness.Writer(redis)
+        try:
+            for batch in rounds:
+                for node, step in batch:
+                    if step == "gone":
+                        writer.forget(job_id, node)
+                        latest.pop(node, None)
+                        continue
+                    assert not isinstance(step, str)
+                    now = time.time()
+                    frame = "{}" if step is None else json.dumps({"step": step})
+                    writer.beat(job_id, node, now, frame, now, step)
+                    if step is None:
+                        latest.pop(node, None)
+                    else:
+                        latest[node] = step
+                await writer.settle()
+                expected = max([*latest.values(), *([known] if known is not None else [])],
+                               default=None)  # fmt: skip
+                assert await asyncio.to_thread(snapshot.job_step, job_id, known=known) == expected
+        finally:
+            keys = (liveness.seen_key(job_id), liveness.frames_key(job_id),
+                    liveness.steps_key(job_id))  # fmt: skip
+            await redis.delete(*keys)
+            await redis.srem(liveness.JOBS_KEY, job_id)
             await redis.aclose()
 
     asyncio.run(scenario())

@@ -44,7 +44,7 @@ async def beats(job_id: int, lags_s: list[float], *, forget: bool = False) -> No
     try:
         for lag in lags_s:
             now = time.time()
-            writer.beat(job_id, "node-0", now, '{"step": 1}', now - lag)
+            writer.beat(job_id, "node-0", now, '{"step": 1}', now - lag, 1)
         if forget:
             writer.forget(job_id, "node-0")
         while writer.flushing is not None:
