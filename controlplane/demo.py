@@ -65,27 +65,28 @@ STOP_GRACE_S = 15.0
 
 SETUP = """
 import json
+import sys
 from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import create_job
-spec = json.loads({spec!r})
+spec = json.load(sys.stdin)
 user, _ = User.objects.get_or_create(username=spec["user"])
 user.is_staff = user.is_superuser = True
 # a new hash would end every session of the user: the demo would log everyone out each round
 if not user.check_password(spec["password"]):
     user.set_password(spec["password"])
 user.save()
-made = {{}}
+made = {}
 for job in spec["jobs"]:
     for old in Job.objects.filter(name=job["name"]):  # an earlier run's: kept, renamed
-        old.name = f"{{old.name}}-{{old.pk}}"
+        old.name = f"{old.name}-{old.pk}"
         old.save(update_fields=["name"])
     row, token = create_job(job["name"], job["scenario"], approval_mode=job["mode"],
                             enabled_policies=job["policies"])
-    made[job["name"]] = {{"id": row.pk, "token": token}}
+    made[job["name"]] = {"id": row.pk, "token": token}
 key, _ = Token.objects.get_or_create(user=user)
-print(json.dumps({{"jobs": made, "api_token": key.key}}))
+print(json.dumps({"jobs": made, "api_token": key.key}))
 """
 
 
@@ -199,11 +200,12 @@ class ControlPlane:
     processes: Processes
     token: str = ""
 
-    def manage(self, *args: str, timeout: float = 300) -> str:
+    def manage(self, *args: str, timeout: float = 300, stdin: str = "") -> str:
         done = subprocess.run(
             [sys.executable, "manage.py", *args],
             cwd=ROOT,
             env=self.processes.env,
+            input=stdin,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -247,8 +249,9 @@ class ControlPlane:
             return text.decode() if raw else json.loads(text)
 
     def setup(self, user: str, password: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        # on stdin: a scenario of thousands of nodes is longer than a command line may be
         spec = json.dumps({"user": user, "password": password, "jobs": jobs})
-        out = self.manage("shell", "-c", SETUP.format(spec=spec))
+        out = self.manage("shell", "-c", SETUP, stdin=spec)
         made: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         self.token = made["api_token"]
         return made

@@ -16,6 +16,7 @@ stay silent past ``PITSTOP_APPLY_TIMEOUT_S`` fails, naming them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import uuid
 from collections.abc import Iterable
@@ -229,7 +230,9 @@ def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
                error=error)  # fmt: skip
         if not ack.ok and decision.status == DecisionStatus.APPLYING:
             reason = f"{command.node.name} refused the plan: {error or 'no reason given'}"
-            _fail(decision.pk, reason, actor=f"agent:{command.node.name}")
+            # another agent's refusal may have failed it since it was read: that one stands
+            with contextlib.suppress(IllegalTransition):
+                _fail(decision.pk, reason, actor=f"agent:{command.node.name}")
     return command
 
 

@@ -20,12 +20,13 @@ import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import User
+from django.db.models.signals import post_save
 from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.asgi import application
-from controlplane.incidents import applying
+from controlplane.incidents import applying, transitions
 from controlplane.incidents.models import (
     AgentCommand,
     DecisionStatus,
@@ -281,6 +282,40 @@ async def test_an_agent_that_refuses_the_plan_fails_the_decision_with_its_reason
     await agents["node-1"].ack(sent["node-1"]["id"])
     await eventually(lambda: _count(failed, "command_acked", 2))
     assert (await latest(job)).status == DecisionStatus.FAILED
+
+
+async def test_a_refusal_that_finds_the_decision_failed_meanwhile_leaves_it_and_the_socket(
+    cluster: tuple[Job, dict[str, Agent]],
+) -> None:
+    """Two agents refuse at once: the one whose refusal read the decision applying, and failed
+    it second, finds it failed already. That stands; its socket stays open (an error there
+    closed it, and its node was taken for lost)."""
+    job, agents = cluster
+    sent = await commands_after_a_fault(job, agents)
+    decision = await latest(job)
+    raced = []
+
+    def other_refusal(sender: Any, instance: AgentCommand, **_: Any) -> None:
+        if not raced and instance.acked_at is not None:  # between the read and the failing
+            raced.append(instance.pk)
+            transitions.transition(decision.pk, DecisionStatus.FAILED, actor="agent:node-0",
+                                   reason="node-0 refused the plan: first")  # fmt: skip
+
+    post_save.connect(other_refusal, sender=AgentCommand)
+    try:
+        await agents["node-1"].ack(sent["node-1"]["id"], ok=False, error="second")
+        assert await eventually(lambda: _count(decision, "command_acked", 1))
+    finally:
+        post_save.disconnect(other_refusal, sender=AgentCommand)
+    assert raced
+    assert await agents["node-1"].quiet()  # no error frame, no close
+    failed = await latest(job)
+    assert (failed.status, failed.reason) == (
+        DecisionStatus.FAILED,
+        "node-0 refused the plan: first",
+    )
+    await agents["node-1"].beat(3, "paused")
+    assert await agents["node-1"].quiet()
 
 
 async def _count(decision: RecoveryDecision, kind: str, n: int) -> bool:
