@@ -34,7 +34,10 @@ def test_every_documented_example_parses_and_survives_a_round_trip(block: str) -
     )
     frame = parse(block)
     assert parse(protocol.encode(frame)) == frame
-    assert json.loads(protocol.encode(frame)) == data, "the example writes no default value"
+    written = json.loads(protocol.encode(frame))
+    if isinstance(data.get("plan"), dict):  # shown as an object, written packed
+        written["plan"] = protocol.unpack_plan(written["plan"])
+    assert written == data, "the example writes no default value"
 
 
 def refused(raw: str | bytes) -> ProtocolError:
@@ -254,3 +257,71 @@ def test_any_line_a_process_writes_is_made_fit_for_a_fault(line: str) -> None:
 def test_a_heartbeat_reporting_a_device_twice_is_refused() -> None:
     twice = _set(BEAT, "devices", [{"device": 0, "state": "idle"}, {"device": 0, "state": "idle"}])
     assert (refused(json.dumps(twice)).field) == "devices"
+
+
+PLANS = st.fixed_dictionaries(
+    {"pipelines": st.lists(
+        st.fixed_dictionaries({
+            "stages": st.lists(st.fixed_dictionaries({
+                "devices": st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4),
+                "layers": st.tuples(st.integers(0, 99), st.integers(100, 200)).map(list),
+            }), min_size=1, max_size=4),
+            "micro_batches": st.integers(1, 64),
+        }), max_size=6)},
+)  # fmt: skip
+
+
+@given(PLANS)
+def test_a_plan_packed_is_the_plan_and_a_command_carries_it_so(plan: dict[str, Any]) -> None:
+    packed = protocol.pack_plan(plan)
+    assert protocol.unpack_plan(packed) == plan
+    command = protocol.Command(id="c1", action=protocol.Action.APPLY_PLAN, decision=1, plan=plan)
+    written = json.loads(protocol.encode(command))
+    assert isinstance(written["plan"], str) and written["plan"] == packed
+    parsed = protocol.parse_server_frame(protocol.encode(command))
+    assert isinstance(parsed, protocol.Command) and parsed.plan == plan
+
+
+def test_a_plan_that_is_not_a_packed_object_is_refused_naming_the_plan() -> None:
+    import base64
+    import zlib
+
+    def packed(data: bytes) -> str:
+        return base64.b64encode(zlib.compress(data)).decode()
+
+    bomb = zlib.compressobj()
+    zeros = b'{"pipelines": [], "pad": "' + b"0" * protocol.MAX_PLAN_BYTES + b'"}'  # an object
+    bombed = base64.b64encode(bomb.compress(zeros) + bomb.flush()).decode()
+    assert len(bombed) < protocol.MAX_SERVER_FRAME_BYTES  # small packed, huge inflated
+    junk = [
+        "not base64 at all!",
+        base64.b64encode(b"not deflated").decode(),
+        packed(b"[1, 2]"),  # JSON, but no object
+        packed(b"{cut"),
+        base64.b64encode(zlib.compress(b'{"pipelines": []}')[:-4]).decode(),  # cut short
+        bombed,
+    ]
+    for plan in junk:
+        frame = {"type": "command", "id": "c1", "action": "apply_plan", "plan": plan}
+        error = refused_by_agent(json.dumps(frame))
+        assert (error.code, error.field) == (ErrorCode.INVALID, "plan"), plan[:40]
+
+
+def test_a_servers_frame_may_be_a_mebibyte_an_agents_64_kib() -> None:
+    plan = {"pipelines": [{"stages": [{"devices": [d], "layers": [0, 1]}], "micro_batches": 1}
+                          for d in range(50_000)]}  # fmt: skip
+    command = protocol.Command(id="c1", action=protocol.Action.APPLY_PLAN, plan=plan)
+    text = protocol.encode(command)
+    assert protocol.MAX_FRAME_BYTES < len(text) < protocol.MAX_SERVER_FRAME_BYTES
+    parsed = protocol.parse_server_frame(text)
+    assert isinstance(parsed, protocol.Command) and parsed.plan == plan
+    over = json.dumps(
+        {"type": "welcome", "job": "j", "node": "x" * protocol.MAX_SERVER_FRAME_BYTES}
+    )
+    assert refused_by_agent(over).code == ErrorCode.OVERSIZED
+
+
+def refused_by_agent(raw: str) -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        protocol.parse_server_frame(raw)
+    return caught.value

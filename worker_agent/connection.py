@@ -167,7 +167,12 @@ class Uplink:
 
     async def _converse(self, stop: asyncio.Event) -> bool:
         """One connection; True when the node should connect again."""
-        async with websockets.connect(self.url, open_timeout=10, ping_interval=20) as ws:
+        # twice the protocol's limit: a frame over it is refused by name (``oversized``), not
+        # lost with the socket
+        size = 2 * protocol.MAX_SERVER_FRAME_BYTES
+        async with websockets.connect(
+            self.url, open_timeout=10, ping_interval=20, max_size=size
+        ) as ws:
             hello = protocol.Hello(
                 job=self.job,
                 node=self.node,

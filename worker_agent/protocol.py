@@ -14,16 +14,23 @@ Django, nothing of the control plane.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
+import json
 import math
 import re
+import zlib
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
@@ -32,8 +39,12 @@ from pydantic import (
 )
 
 VERSION = 1
-# A frame larger than this is refused before it is parsed.
+# A frame larger than this is refused before it is parsed: an agent's, and the server's, whose
+# commands carry a whole plan, deflated (one of 16,384 devices is 45 kB so, 0.7 MB as JSON).
 MAX_FRAME_BYTES = 64 * 1024
+MAX_SERVER_FRAME_BYTES = 1024 * 1024
+# The most bytes a deflated plan may inflate to (a plan of over a million devices).
+MAX_PLAN_BYTES = 64 * 1024 * 1024
 # The most devices one agent reports on (a node of today's largest hosts, with room to spare).
 MAX_DEVICES = 64
 # The most devices an ``apply_plan``'s ``holders`` lists (a job's; the frame's size binds first).
@@ -366,12 +377,43 @@ class RestoreMode(StrEnum):
     CHECKPOINT = "checkpoint"  # every device reloads the newest complete checkpoint
 
 
+def pack_plan(plan: dict[str, Any]) -> str:
+    """A plan as a command carries it: its JSON deflated (zlib), in base64."""
+    text = json.dumps(plan, separators=(",", ":")).encode()
+    return base64.b64encode(zlib.compress(text, 6)).decode("ascii")
+
+
+@functools.lru_cache(maxsize=8)
+def unpack_plan(packed: str) -> dict[str, Any]:
+    """The plan ``pack_plan`` packed; ValueError if it is not one. The same text gives the same
+    object (a process simulating a thousand nodes inflates each plan once): never change it."""
+    try:
+        inflater = zlib.decompressobj()
+        text = inflater.decompress(base64.b64decode(packed, validate=True), MAX_PLAN_BYTES)
+        if not inflater.eof:
+            raise ValueError(f"it inflates to over {MAX_PLAN_BYTES} bytes, or is cut short")
+        plan = json.loads(text)
+    except (binascii.Error, zlib.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"not a deflated plan: {exc}") from None
+    if not isinstance(plan, dict):
+        raise ValueError("a plan is a JSON object")
+    return plan
+
+
+# A plan: a JSON object on the wire from an older server or a person, else ``pack_plan``'s text.
+Plan = Annotated[
+    dict[str, Any],
+    BeforeValidator(lambda value: unpack_plan(value) if isinstance(value, str) else value),
+    PlainSerializer(pack_plan, when_used="json"),
+]
+
+
 class Command(_Frame):
     type: Literal["command"] = "command"
     id: CommandId
     action: Action
     decision: Annotated[int, Field(ge=1, le=MAX_SEQ)] | None = None
-    plan: dict[str, Any] | None = None
+    plan: Plan | None = None
     step: Step | None = None  # resume from this step
     restore: RestoreMode | None = None  # apply_plan only; None: from peers
     # apply_plan only: the previous plan's devices that are alive, when the new plan leaves
@@ -415,12 +457,10 @@ _AGENT = TypeAdapter[Hello | Heartbeat | Fault | Profile | Ack | Goodbye](AgentF
 _SERVER = TypeAdapter[Welcome | Command | Error](ServerFrame)
 
 
-def _check_size(raw: str | bytes) -> None:
+def _check_size(raw: str | bytes, limit: int = MAX_FRAME_BYTES) -> None:
     size = len(raw.encode() if isinstance(raw, str) else raw)
-    if size > MAX_FRAME_BYTES:
-        raise ProtocolError(
-            ErrorCode.OVERSIZED, f"{size} bytes is over the limit of {MAX_FRAME_BYTES}"
-        )
+    if size > limit:
+        raise ProtocolError(ErrorCode.OVERSIZED, f"{size} bytes is over the limit of {limit}")
 
 
 def _refused(exc: ValidationError) -> ProtocolError:
@@ -444,7 +484,7 @@ def parse_agent_frame(raw: str | bytes) -> Hello | Heartbeat | Fault | Profile |
 
 def parse_server_frame(raw: str | bytes) -> Welcome | Command | Error:
     """A server's frame, validated (the agent's side); ``ProtocolError`` says why not."""
-    _check_size(raw)
+    _check_size(raw, MAX_SERVER_FRAME_BYTES)
     try:
         return _SERVER.validate_json(raw)
     except ValidationError as exc:

@@ -175,6 +175,11 @@ async def keep_connected(node: Node, url: str, job: str, token: str, stop: async
         else:
             ack = await node.carry_out(frame)
         uplink.ack(ack)
+        if frame.inject is None and ack.ok and node.state is protocol.DeviceState.TRAINING:
+            # as a node's agent does: the beats that show it training again, and its first
+            # step, go at once, for the control plane times a recovery by them
+            uplink.beat_now()
+            asyncio.get_running_loop().call_later(node.step_s, uplink.beat_now)
         log.info("%s: %s %s of decision %s in %.2f s", node.name, frame.action.value,
                  "done" if ack.ok else "refused", frame.decision,
                  time.monotonic() - began)  # fmt: skip

@@ -16,10 +16,10 @@ stay silent past ``PITSTOP_APPLY_TIMEOUT_S`` fails, naming them.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
+import itertools
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,12 @@ from controlplane.incidents.models import (
     EventKind,
     RecoveryDecision,
 )
-from controlplane.incidents.transitions import IllegalTransition, record, transition
+from controlplane.incidents.transitions import (
+    IllegalTransition,
+    record,
+    record_each,
+    transition,
+)
 from controlplane.jobs.models import (
     Device,
     DeviceState,
@@ -57,10 +62,14 @@ RESEND_AFTER_S = 5.0
 
 
 def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
-    """Start applying ``decision``'s plan; call inside the transaction that chose it."""
+    """Start applying ``decision``'s plan; call inside the transaction that chose it. The plan
+    is packed once, on the decision; each node's command row keeps the rest of its frame."""
     job = decision.job
     nodes = list(Node.objects.filter(job=job, status=NodeStatus.HEALTHY).order_by("index"))
     holders = live_holders(job, decision.plan, nodes)
+    used = plan_devices(decision.plan)
+    training = {n for n, d in Device.objects.filter(job=job).values_list("node_id", "index")
+                if d in used}  # fmt: skip
     commands = []
     for node in nodes:
         command_id = uuid.uuid4()
@@ -68,7 +77,6 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
             id=str(command_id),
             action=protocol.Action.APPLY_PLAN,
             decision=decision.pk,
-            plan=decision.plan,
             restore=restore_mode(decision),
             holders=holders,
         )
@@ -79,6 +87,7 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
                 node=node,
                 action=frame.action.value,
                 frame=frame.model_dump(mode="json", exclude_none=True),
+                trains=node.pk in training,
             )
         )
     ids = [c.id for c in commands]
@@ -88,11 +97,12 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
         actor=actor,
         payload={"nodes": [n.name for n in nodes]},
         after_commit=lambda _: _send_quietly(ids),
+        packed_plan=protocol.pack_plan(decision.plan or {}),
     )
     AgentCommand.objects.bulk_create(commands)
-    for command in commands:
-        record(job, EventKind.COMMAND_SENT, actor="system", decision=applying,
-               node=command.node.name, command=str(command.id), action=command.action)  # fmt: skip
+    record_each(job, EventKind.COMMAND_SENT,
+                ({"node": c.node.name, "command": str(c.id), "action": c.action} for c in commands),
+                actor="system", decision=applying)  # fmt: skip
     _plan_becomes_the_jobs(job, applying.plan)
     return applying
 
@@ -159,21 +169,38 @@ def _send_quietly(command_ids: list[uuid.UUID]) -> None:
 
 
 def send(command_ids: Iterable[uuid.UUID]) -> int:
-    """Publish the commands still unacknowledged to their nodes; how many went out (with Redis
-    down, none: ``resend`` tries again)."""
-    sent = 0
-    pending = AgentCommand.objects.filter(pk__in=list(command_ids), acked_at__isnull=True)
-    for command in pending.select_related("node"):
-        try:
-            hub.publish(command.node.job_id, command.node.name, {"command": command.frame})
-        except (RedisError, OSError) as exc:
-            log.warning("command.send_failed", command=str(command.pk), error=str(exc))
-            continue
-        AgentCommand.objects.filter(pk=command.pk).update(
-            sent_at=timezone.now(), sends=F("sends") + 1
+    """Publish the commands still unacknowledged to their nodes, in one round trip; how many
+    went out (with Redis down, none: ``resend`` tries again)."""
+    pending = list(
+        AgentCommand.objects.filter(pk__in=list(command_ids), acked_at__isnull=True).values_list(
+            "pk", "node__job_id", "node__name", "decision_id", "frame"
         )
-        sent += 1
-    return sent
+    )
+    plans = _packed_plans({decision for _, _, _, decision, _ in pending})
+    messages = [
+        (job, node, {"command": with_plan(frame, plans[decision])})
+        for _, job, node, decision, frame in pending
+    ]
+    try:
+        hub.publish_each(messages)
+    except (RedisError, OSError) as exc:
+        log.warning("command.send_failed", commands=len(pending), error=str(exc))
+        return 0
+    sent = [pk for pk, *_ in pending]
+    AgentCommand.objects.filter(pk__in=sent).update(sent_at=timezone.now(), sends=F("sends") + 1)
+    return len(sent)
+
+
+def _packed_plans(decisions: set[int]) -> dict[int, str]:
+    return dict(RecoveryDecision.objects.filter(pk__in=decisions).values_list("pk", "packed_plan"))
+
+
+def with_plan(frame: dict[str, Any], packed: str) -> dict[str, Any]:
+    """A command's frame as sent: with its decision's plan, when it is an ``apply_plan`` (and
+    was kept without it; a frame kept whole before ``packed_plan`` existed has it already)."""
+    if frame.get("action") != protocol.Action.APPLY_PLAN or "plan" in frame or not packed:
+        return frame
+    return {**frame, "plan": packed}
 
 
 @dataclass(frozen=True)
@@ -189,12 +216,22 @@ class Unfinished:
 def unfinished(node_id: int) -> list[Unfinished]:
     """The node's commands of decisions still applying that it has not completed a step under
     (a reconnecting agent is sent again those it has not acknowledged)."""
-    found = AgentCommand.objects.filter(
-        node_id=node_id, decision__status=DecisionStatus.APPLYING, stepped_at__isnull=True
-    ).exclude(ok=False)
+    found = list(
+        AgentCommand.objects.filter(
+            node_id=node_id, decision__status=DecisionStatus.APPLYING, stepped_at__isnull=True
+        )
+        .exclude(ok=False)
+        .order_by("created_at")
+    )
+    plans = _packed_plans({c.decision_id for c in found if c.acked_at is None})
     return [
-        Unfinished(str(c.pk), c.frame, c.acked_at is not None, c.resumed_step)
-        for c in found.order_by("created_at")
+        Unfinished(
+            str(c.pk),
+            c.frame if c.acked_at is not None else with_plan(c.frame, plans[c.decision_id]),
+            c.acked_at is not None,
+            c.resumed_step,
+        )
+        for c in found
     ]
 
 
@@ -204,97 +241,155 @@ def ack_error(ack: protocol.Ack) -> str:
 
 
 def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
-    """Record an agent's acknowledgement; None when its node was sent no such command. A
-    refusal fails the decision with the agent's reason; an acknowledgement sent twice counts
-    once."""
+    """Record an agent's acknowledgement (``acked_each`` of one)."""
+    return acked_each([(node_id, ack)])[0]
+
+
+def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | None]:
+    """Record agents' acknowledgements (node, ack) together, in one transaction; for each, its
+    command, or None when its node was sent no such command. A refusal fails the decision with
+    the agent's reason (the first refusal's, when several come at once); an acknowledgement
+    sent twice counts once. A plan applied on 2,048 nodes is 2,048 acknowledgements: they are
+    one read, one update and one insert of their events, not 2,048 transactions."""
+    ids = [_uuid(ack.command) for _, ack in acks]
+    now = timezone.now()
+    with transaction.atomic():
+        found = {
+            c.pk: c
+            for c in AgentCommand.objects.select_for_update(of=("self",))
+            .select_related("node")
+            .filter(pk__in=[i for i in ids if i is not None])
+        }
+        commands: list[AgentCommand | None] = []
+        for command_id, (node_id, _) in zip(ids, acks, strict=True):
+            command = found.get(command_id) if command_id is not None else None
+            commands.append(command if command is not None and command.node_id == node_id else None)
+        fresh: dict[uuid.UUID, AgentCommand] = {}
+        for command, (_, ack) in zip(commands, acks, strict=True):
+            if command is not None and command.acked_at is None and command.pk not in fresh:
+                command.acked_at, command.ok, command.error = now, ack.ok, ack_error(ack)
+                fresh[command.pk] = command
+        if not fresh:
+            return commands
+        AgentCommand.objects.bulk_update(list(fresh.values()), ["acked_at", "ok", "error"])
+        decisions = {
+            d.pk: d
+            for d in RecoveryDecision.objects.select_for_update(of=("self",))
+            .select_related("job")
+            .defer(*heavy("job"), "decision", "plan", "packed_plan")
+            .filter(pk__in={c.decision_id for c in fresh.values()})
+        }
+        by_decision = sorted(fresh.values(), key=lambda c: c.decision_id)
+        for decision_id, group in itertools.groupby(by_decision, key=lambda c: c.decision_id):
+            decision, done = decisions[decision_id], list(group)
+            acked = [{"node": c.node.name, "command": str(c.pk), "ok": c.ok, "error": c.error}
+                     for c in done]  # fmt: skip
+            record_each(decision.job, EventKind.COMMAND_ACKED, acked, decision=decision,
+                        actor=lambda payload: f"agent:{payload['node']}")  # fmt: skip
+            refusals = [c for c in done if not c.ok]
+            if refusals and decision.status == DecisionStatus.APPLYING:
+                first = refusals[0]
+                reason = f"{first.node.name} refused the plan: {first.error or 'no reason given'}"
+                _fail(decision.pk, reason, actor=f"agent:{first.node.name}")
+    return commands
+
+
+def _uuid(text: str) -> uuid.UUID | None:
     try:
-        command_id = uuid.UUID(ack.command)
+        return uuid.UUID(text)
     except ValueError:
         return None
-    with transaction.atomic():
-        command = (
-            AgentCommand.objects.select_for_update(of=("self",))
-            .select_related("decision__job", "node")
-            .defer(*heavy("decision__job"))
-            .filter(pk=command_id, node_id=node_id)
-            .first()
-        )
-        if command is None or command.acked_at is not None:
-            return command
-        error = ack_error(ack)
-        command.acked_at, command.ok, command.error = timezone.now(), ack.ok, error
-        command.save(update_fields=["acked_at", "ok", "error"])
-        decision, job = command.decision, command.decision.job
-        record(job, EventKind.COMMAND_ACKED, actor=f"agent:{command.node.name}",
-               decision=decision, node=command.node.name, command=str(command.pk), ok=ack.ok,
-               error=error)  # fmt: skip
-        if not ack.ok and decision.status == DecisionStatus.APPLYING:
-            reason = f"{command.node.name} refused the plan: {error or 'no reason given'}"
-            # another agent's refusal may have failed it since it was read: that one stands
-            with contextlib.suppress(IllegalTransition):
-                _fail(decision.pk, reason, actor=f"agent:{command.node.name}")
-    return command
 
 
 def progress(command_id: str, *, step: int) -> int | None:
-    """An agent acknowledged its command and its devices report training at ``step``.
+    """An agent's report of training again (``progress_each`` of one)."""
+    return progress_each([(command_id, step)])[0]
 
-    The first report marks it resumed (at that step); a later one past that step marks its
-    first step done (at that step). When every agent of the decision has resumed, the timeline
-    says so; when every one has completed a step, the decision is recovered, resumed from the
-    step before the lowest of those first steps (``resumed_step``), and the job runs at the
-    step. Returns the step the agent resumed at while a step is still awaited, else None (done,
-    or the decision moved on).
-    """
+
+def progress_each(reports: Sequence[tuple[str, int]]) -> list[int | None]:
+    """Agents acknowledged their commands and their devices report training: (command, step)
+    each, recorded together in one transaction, in order.
+
+    A command's first report marks it resumed (at that step); a later one past that step marks
+    its first step done (at that step). When every agent of the decision has resumed, the
+    timeline says so; when every one has completed a step, the decision is recovered, resumed
+    from the step before the lowest of those first steps (``resumed_step``), and the job runs
+    at the step. For each report, the step its agent resumed at while a step is still awaited,
+    else None (done, or the decision moved on)."""
+    ids = [_uuid(command_id) for command_id, _ in reports]
     now = timezone.now()
     with transaction.atomic():
-        command = (
-            AgentCommand.objects.select_for_update(of=("self",))
-            .select_related("decision__job")
-            .defer(*heavy("decision__job"))
-            .filter(pk=command_id)
-            .first()
-        )
-        if command is None or command.decision.status != DecisionStatus.APPLYING:
-            return None
-        decision = RecoveryDecision.objects.select_for_update().get(pk=command.decision_id)
-        if decision.status != DecisionStatus.APPLYING:
-            return None
-        if command.resumed_at is None:
-            command.resumed_at, command.resumed_step = now, step
-        elif command.stepped_at is None and step > (command.resumed_step or 0):
-            command.stepped_at, command.stepped_step = now, step
-        command.save(update_fields=["resumed_at", "resumed_step", "stepped_at", "stepped_step"])
-        siblings = training_commands(decision)
-        job = command.decision.job
-        if command.stepped_at is None:
-            resumed = not siblings.filter(resumed_at__isnull=True).exists()
-            if resumed and not decision.events.filter(kind=EventKind.RESUMED).exists():
-                record(job, EventKind.RESUMED, actor="system", decision=decision, step=step)
-            return command.resumed_step
-        if not siblings.filter(stepped_at__isnull=True).exists():
-            record(job, EventKind.FIRST_STEP, actor="system", decision=decision, step=step)
-            # the job's first step under the plan is the lowest an agent reported (one whose
-            # first beat after the ack came a step late reports the step after); training
-            # resumed from the step completed before it
-            lowest = siblings.aggregate(lowest=Min("stepped_step"))["lowest"]
-            resumed_from = None if lowest is None else max(lowest - 1, 0)
-            transition(decision.pk, DecisionStatus.RECOVERED, actor="system",
-                       payload={"step": step, "resumed_step": resumed_from},
-                       resumed_step=resumed_from)  # fmt: skip
-            Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING, step=step)
-    return None
+        commands = {
+            c.pk: c
+            for c in AgentCommand.objects.select_for_update(of=("self",)).filter(
+                pk__in=[i for i in ids if i is not None]
+            )
+        }
+        applying = {
+            d.pk: d
+            for d in RecoveryDecision.objects.select_for_update(of=("self",))
+            .select_related("job")
+            .defer(*heavy("job"), "decision", "plan", "packed_plan")
+            .filter(
+                pk__in={c.decision_id for c in commands.values()}, status=DecisionStatus.APPLYING
+            )
+        }
+        changed: dict[uuid.UUID, AgentCommand] = {}
+        latest: dict[int, int] = {}  # each decision's step as its latest report here says
+        for command_id, (_, step) in zip(ids, reports, strict=True):
+            command = commands.get(command_id) if command_id is not None else None
+            if command is None or command.decision_id not in applying:
+                continue
+            latest[command.decision_id] = step
+            if command.resumed_at is None:
+                command.resumed_at, command.resumed_step = now, step
+            elif command.stepped_at is None and step > (command.resumed_step or 0):
+                command.stepped_at, command.stepped_step = now, step
+            else:
+                continue
+            changed[command.pk] = command
+        fields = ["resumed_at", "resumed_step", "stepped_at", "stepped_step"]
+        AgentCommand.objects.bulk_update(list(changed.values()), fields)
+        recovered = {pk for pk, step in latest.items() if _moved_on(applying[pk], step)}
+    return [
+        None
+        if command is None or command.decision_id not in applying
+        or command.decision_id in recovered or command.stepped_at is not None
+        else command.resumed_step
+        for command in (commands.get(i) if i is not None else None for i in ids)
+    ]  # fmt: skip
+
+
+def _moved_on(decision: RecoveryDecision, step: int) -> bool:
+    """The timeline's word once every agent of the applying decision has resumed, then made a
+    step (``step``: the latest report's): then the decision is recovered and the job runs again
+    (True)."""
+    waited = training_commands(decision)
+    if waited.filter(stepped_at__isnull=True).exists():
+        if (
+            not waited.filter(resumed_at__isnull=True).exists()
+            and not decision.events.filter(kind=EventKind.RESUMED).exists()
+        ):
+            record(decision.job, EventKind.RESUMED, actor="system", decision=decision, step=step)
+        return False
+    record(decision.job, EventKind.FIRST_STEP, actor="system", decision=decision, step=step)
+    # the job's first step under the plan is the lowest an agent reported (one whose first beat
+    # after the ack came a step late reports the step after); training resumed from the step
+    # completed before it
+    lowest = waited.aggregate(lowest=Min("stepped_step"))["lowest"]
+    resumed_from = None if lowest is None else max(lowest - 1, 0)
+    transition(decision.pk, DecisionStatus.RECOVERED, actor="system",
+               payload={"step": step, "resumed_step": resumed_from},
+               resumed_step=resumed_from)  # fmt: skip
+    Job.objects.filter(pk=decision.job_id).update(status=JobStatus.RUNNING, step=step)
+    return True
 
 
 def training_commands(decision: RecoveryDecision) -> QuerySet[AgentCommand]:
     """The decision's commands to nodes that run a part of its plan: those waited for to train
     again and make a step. A node whose devices the plan leaves out (a standby, a spare nobody
     took) is sent the plan and acknowledges it, but has nothing to train."""
-    plan = decision.plan or {}
-    devices = plan_devices(plan)
-    return AgentCommand.objects.filter(
-        decision=decision, node__devices__index__in=devices
-    ).distinct()
+    return AgentCommand.objects.filter(decision=decision, trains=True)
 
 
 def _fail(decision_id: int, reason: str, *, actor: str) -> None:

@@ -111,6 +111,12 @@ class RecoveryDecision(models.Model):
     decision = models.JSONField(null=True, blank=True)
     chosen = models.PositiveIntegerField(null=True, blank=True)
     plan = models.JSONField(null=True, blank=True)
+    packed_plan = models.TextField(
+        blank=True,
+        editable=False,
+        help_text="the plan as every node's command carries it (the protocol's pack_plan), kept "
+        "once when applying begins: the commands do not each keep a copy",
+    )
     chosen_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
@@ -186,7 +192,8 @@ class AgentCommand(models.Model):
     The agent reports back in stages: ``acked_at`` (it applied the command, or refused it:
     ``ok``), ``resumed_at`` (its devices report training again, at ``resumed_step``) and
     ``stepped_at`` (a step completed after that, ``stepped_step``: the first step the node
-    reported under the new plan). ``frame`` is the protocol's ``command`` frame.
+    reported under the new plan). ``frame`` is the protocol's ``command`` frame without its
+    plan, which is the decision's (``RecoveryDecision.packed_plan``) and added as it is sent.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -206,6 +213,11 @@ class AgentCommand(models.Model):
     resumed_step = models.BigIntegerField(null=True, blank=True)
     stepped_at = models.DateTimeField(null=True, blank=True)
     stepped_step = models.BigIntegerField(null=True, blank=True)
+    trains = models.BooleanField(
+        default=True,
+        help_text="the node runs a part of the plan: its agent is waited for to train again and "
+        "make a step (a standby, or a spare nobody took, only acknowledges)",
+    )
 
     class Meta:
         ordering = ("created_at", "node")

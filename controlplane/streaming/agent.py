@@ -37,7 +37,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 from channels.db import database_sync_to_async
@@ -264,47 +264,55 @@ def _lost(losses: list[Loss]) -> None:
 
 @dataclass
 class Loss:
-    """A socket closed without goodbye, waiting to be recorded (``Losses``)."""
+    """A socket closed without goodbye, waiting to be recorded (``batches``)."""
 
     session: Session
     last_heard_s: float | None
     last_step: int | None
-    recorded: asyncio.Future[None]
 
 
-class Losses:
-    """One event loop's lost nodes, recorded one after another in one worker thread. A switch
-    or a rack that fails drops many sockets at once: recorded in a thread each, their records
-    waited on each other's database locks, and each thread held the interpreter lock from the
-    event loop, which then fell behind on every other agent's heartbeats."""
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
-    def __init__(self) -> None:
-        self.queued: list[Loss] = []
+
+class Batches(Generic[Item, Result]):
+    """One event loop's items of one kind, from any of its sockets, recorded together in one
+    worker thread: while a batch is recorded the next one queues. A switch or a rack that fails
+    drops many sockets at once, and a plan applied on 2,048 nodes brings 2,048 acknowledgements
+    and twice as many reports of training again: recorded in a thread each, they waited on each
+    other's database locks, and each thread held the interpreter lock from the event loop, which
+    then fell behind on every other agent's heartbeats. ``record(batch)`` returns each item's
+    result, or the exception it is refused with."""
+
+    def __init__(self, record: Callable[[list[Item]], list[Result | Exception]]) -> None:
+        self.record = record
+        self.queued: list[tuple[Item, asyncio.Future[Result]]] = []
         self.draining: asyncio.Task[None] | None = None
 
-    def record(
-        self, session: Session, last_heard_s: float | None, last_step: int | None
-    ) -> asyncio.Future[None]:
-        """Queue the loss; the future is done once it is recorded, or raises why not."""
+    def add(self, item: Item) -> asyncio.Future[Result]:
+        """Queue the item; the future is done once it is recorded, or raises why not."""
         loop = asyncio.get_running_loop()
-        loss = Loss(session, last_heard_s, last_step, loop.create_future())
-        self.queued.append(loss)
+        done: asyncio.Future[Result] = loop.create_future()
+        self.queued.append((item, done))
         if self.draining is None:
             self.draining = loop.create_task(self._drain())
-        return loss.recorded
+        return done
 
     async def _drain(self) -> None:
         try:
             while self.queued:
                 batch, self.queued = self.queued, []
-                errors = await in_thread(_record_losses)(batch)
-                for loss, error in zip(batch, errors, strict=True):
-                    if loss.recorded.done():  # never so (its socket awaits it shielded): a guard
+                try:
+                    results = await in_thread(self.record)([item for item, _ in batch])
+                except Exception as exc:  # the whole batch: each item is told
+                    results = [exc] * len(batch)
+                for (_, done), result in zip(batch, results, strict=True):
+                    if done.done():  # its socket stopped waiting (cancelled)
                         continue
-                    if error is None:
-                        loss.recorded.set_result(None)
+                    if isinstance(result, Exception):
+                        done.set_exception(result)
                     else:
-                        loss.recorded.set_exception(error)
+                        done.set_result(result)
         finally:
             self.draining = None
 
@@ -312,26 +320,61 @@ class Losses:
 def _record_losses(batch: list[Loss]) -> list[Exception | None]:
     """The losses recorded in turn, those of one job queued together as one failure
     (``_lost``); what each raised, or None."""
-    errors: list[Exception | None] = []
+    results: list[Exception | None] = []
     for _, group in itertools.groupby(batch, key=lambda loss: loss.session.job_id):
         together = list(group)
         try:
             _lost(together)
-            errors.extend([None] * len(together))
+            results.extend([None] * len(together))
         except Exception as exc:  # left to the deadline; the other jobs' are recorded
-            errors.extend([exc] * len(together))
-    return errors
+            results.extend([exc] * len(together))
+    return results
 
 
-_losses: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Losses] = weakref.WeakKeyDictionary()
+def _record_acks(batch: list[tuple[Session, protocol.Ack]]) -> list[str | Exception | None]:
+    """Acknowledgements recorded together (``_acked`` for each): "command" or "drill", None
+    for a command never sent to the node, or the refusal of a revoked token."""
+    tokens = {session.token_id for session, _ in batch}
+    live = set(
+        AgentToken.objects.filter(pk__in=tokens, revoked_at__isnull=True).values_list(
+            "pk", flat=True
+        )
+    )
+    allowed = [(session, ack) for session, ack in batch if session.token_id in live]
+    commands = iter(applying.acked_each([(session.node_id, ack) for session, ack in allowed]))
+    results: list[str | Exception | None] = []
+    for session, ack in batch:
+        if session.token_id not in live:
+            results.append(
+                ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
+            )
+        elif next(commands) is not None:
+            results.append("command")
+        else:
+            results.append("drill" if drills.acked(session.node_id, ack) is not None else None)
+    return results
 
 
-def losses() -> Losses:
-    """The running event loop's ``Losses``."""
-    loop = asyncio.get_running_loop()
-    found = _losses.get(loop)
+def _record_progress(batch: list[tuple[str, int]]) -> list[int | Exception | None]:
+    return list(applying.progress_each(batch))
+
+
+_batches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Batches[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_RECORDERS: dict[str, Callable[[list[Any]], list[Any]]] = {
+    "losses": _record_losses,
+    "acks": _record_acks,
+    "progress": _record_progress,
+}
+
+
+def batches(kind: str) -> Batches[Any, Any]:
+    """The running event loop's ``Batches`` of ``kind``: losses, acks or progress."""
+    mine = _batches.setdefault(asyncio.get_running_loop(), {})
+    found = mine.get(kind)
     if found is None:
-        found = _losses[loop] = Losses()
+        found = mine[kind] = Batches(_RECORDERS[kind])
     return found
 
 
@@ -345,17 +388,6 @@ class Awaited:
 
     acked: bool = False
     resumed_step: int | None = None
-
-
-def _acked(session: Session, frame: protocol.Ack) -> str | None:
-    """Record an acknowledgement: "command" or "drill", by what it acknowledged; None when the
-    node was sent no such command."""
-    _refuse_if_revoked(session)
-    if applying.acked(session.node_id, frame) is not None:
-        return "command"
-    if drills.acked(session.node_id, frame) is not None:
-        return "drill"
-    return None
 
 
 def _training(frame: protocol.Heartbeat) -> bool:
@@ -546,7 +578,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def acked(self, frame: protocol.Ack) -> None:
         session = self.session
         assert session is not None
-        what = await in_thread(_acked)(session, frame)
+        what = await batches("acks").add((session, frame))
         if what is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_COMMAND,
@@ -570,7 +602,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 awaited.resumed_step is not None and step <= awaited.resumed_step
             ):
                 continue
-            resumed = await in_thread(applying.progress)(command, step=step)
+            resumed = await batches("progress").add((command, step))
             if resumed is None:
                 self.awaited.pop(command, None)  # done, or its decision moved on
             else:
@@ -671,7 +703,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.writer.forget(session.job_id, session.node)
         try:
-            await asyncio.shield(losses().record(session, self.last_heard_s, self.last_step))
+            lost = Loss(session, self.last_heard_s, self.last_step)
+            await asyncio.shield(batches("losses").add(lost))
         except Exception:
             # watched again from its last beat: the detector records it at the deadline
             log.exception("agent.loss_not_recorded", job=session.job_id, node=session.node)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import redis
@@ -44,13 +44,26 @@ def channel(job_id: int, node: str) -> str:
 _publisher: redis.Redis | None = None
 
 
-def publish(job_id: int, node: str, message: dict[str, Any]) -> int:
-    """Send ``message`` to the node's consumer (from sync code: views, tasks); returns how many
-    server processes heard it. Raises ``RedisError`` when Redis is down."""
+def _client() -> redis.Redis:
     global _publisher
     if _publisher is None:
         _publisher = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
-    return int(_publisher.publish(channel(job_id, node), json.dumps(message)))
+    return _publisher
+
+
+def publish(job_id: int, node: str, message: dict[str, Any]) -> int:
+    """Send ``message`` to the node's consumer (from sync code: views, tasks); returns how many
+    server processes heard it. Raises ``RedisError`` when Redis is down."""
+    return int(_client().publish(channel(job_id, node), json.dumps(message)))
+
+
+def publish_each(messages: Iterable[tuple[int, str, dict[str, Any]]]) -> None:
+    """``publish`` each (job, node, message), in one round trip (a command to every node of a
+    job). Raises ``RedisError`` when Redis is down."""
+    pipe = _client().pipeline(transaction=False)
+    for job_id, node, message in messages:
+        pipe.publish(channel(job_id, node), json.dumps(message))
+    pipe.execute()
 
 
 async def apublish(client: aioredis.Redis, job_id: int, node: str, message: dict[str, Any]) -> int:

@@ -20,13 +20,12 @@ import pytest_asyncio
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import User
-from django.db.models.signals import post_save
 from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.asgi import application
-from controlplane.incidents import applying, transitions
+from controlplane.incidents import applying
 from controlplane.incidents.models import (
     AgentCommand,
     DecisionStatus,
@@ -162,7 +161,9 @@ async def test_an_auto_plan_reaches_every_agent_and_recovers_when_they_train_aga
     assert decision.status == DecisionStatus.APPLYING
     for frame in sent.values():
         assert (frame["type"], frame["action"]) == ("command", "apply_plan")
-        assert frame["plan"] == decision.plan and frame["decision"] == decision.pk
+        # the plan travels deflated, once on the decision, not in each command's row
+        assert protocol.unpack_plan(frame["plan"]) == decision.plan
+        assert frame["decision"] == decision.pk
     assert sent["node-0"]["id"] != sent["node-1"]["id"]
     job_now = await database_sync_to_async(Job.objects.get)(pk=job.pk)
     assert job_now.plan == decision.plan  # the job runs the plan being applied
@@ -284,38 +285,37 @@ async def test_an_agent_that_refuses_the_plan_fails_the_decision_with_its_reason
     assert (await latest(job)).status == DecisionStatus.FAILED
 
 
-async def test_a_refusal_that_finds_the_decision_failed_meanwhile_leaves_it_and_the_socket(
+async def test_refusals_that_come_together_fail_the_decision_once_and_close_no_socket(
     cluster: tuple[Job, dict[str, Agent]],
 ) -> None:
-    """Two agents refuse at once: the one whose refusal read the decision applying, and failed
-    it second, finds it failed already. That stands; its socket stays open (an error there
-    closed it, and its node was taken for lost)."""
+    """Both agents refuse in one batch: the first refusal fails the decision, the second
+    finds it failed and leaves it so (failing it again raised, which closed the refusing
+    agents' sockets, and their nodes were taken for lost); both are on the timeline."""
     job, agents = cluster
     sent = await commands_after_a_fault(job, agents)
     decision = await latest(job)
-    raced = []
-
-    def other_refusal(sender: Any, instance: AgentCommand, **_: Any) -> None:
-        if not raced and instance.acked_at is not None:  # between the read and the failing
-            raced.append(instance.pk)
-            transitions.transition(decision.pk, DecisionStatus.FAILED, actor="agent:node-0",
-                                   reason="node-0 refused the plan: first")  # fmt: skip
-
-    post_save.connect(other_refusal, sender=AgentCommand)
-    try:
-        await agents["node-1"].ack(sent["node-1"]["id"], ok=False, error="second")
-        assert await eventually(lambda: _count(decision, "command_acked", 1))
-    finally:
-        post_save.disconnect(other_refusal, sender=AgentCommand)
-    assert raced
-    assert await agents["node-1"].quiet()  # no error frame, no close
+    nodes = await database_sync_to_async(lambda: dict(job.nodes.values_list("name", "pk")))()
+    refusals = [
+        (nodes[name], protocol.Ack(command=sent[name]["id"], ok=False, at=time.time(),
+                                   error=protocol.Error(code=protocol.ErrorCode.INVALID,
+                                                        message=f"{name} says no")))
+        for name in ("node-1", "node-0")
+    ]  # fmt: skip
+    recorded = await database_sync_to_async(applying.acked_each)(refusals)
+    assert [str(c.pk) for c in recorded if c is not None] == [
+        sent["node-1"]["id"],
+        sent["node-0"]["id"],
+    ]
     failed = await latest(job)
-    assert (failed.status, failed.reason) == (
-        DecisionStatus.FAILED,
-        "node-0 refused the plan: first",
-    )
-    await agents["node-1"].beat(3, "paused")
-    assert await agents["node-1"].quiet()
+    assert failed.status == DecisionStatus.FAILED
+    assert failed.reason == "node-1 refused the plan: [invalid] node-1 says no"
+    assert await _count(decision, "command_acked", 2)
+    again = await database_sync_to_async(applying.acked_each)(refusals)  # sent again: once
+    assert [c is not None for c in again] == [True, True]
+    assert await _count(decision, "command_acked", 2)
+    for agent in agents.values():
+        await agent.beat(3, "paused")
+        assert await agent.quiet()  # no error frame, no close
 
 
 async def _count(decision: RecoveryDecision, kind: str, n: int) -> bool:
@@ -401,7 +401,7 @@ async def test_a_failure_while_applying_supersedes_the_decision_and_sends_a_new_
     )()
     assert [d.status for d in decisions] == [DecisionStatus.SUPERSEDED, DecisionStatus.APPLYING]
     assert decisions[1].failure.devices == [1]
-    assert second["node-0"]["plan"] == decisions[1].plan
+    assert protocol.unpack_plan(second["node-0"]["plan"]) == decisions[1].plan
     used = {d for p in decisions[1].plan["pipelines"] for s in p["stages"] for d in s["devices"]}
     assert used.isdisjoint({1, 5})
     # the superseded decision's acknowledgement is recorded, and moves nothing
