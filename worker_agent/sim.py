@@ -151,7 +151,7 @@ class Node:
                 step_s = self.check_plan(plan)
             except ValueError as exc:
                 return protocol.Error(code=protocol.ErrorCode.INVALID, message=str(exc))
-        used = {d for p in plan.get("pipelines", []) for s in p["stages"] for d in s["devices"]}
+        used = _devices_of(plan)
         self.plan_devices = used
         self.pause(protocol.DeviceState.RESTORING)
         await asyncio.sleep(self.restore_s)  # the weights this node's new stages need
@@ -162,6 +162,18 @@ class Node:
         else:
             self.pause(protocol.DeviceState.IDLE)  # a spare under this plan
         return None
+
+
+_devices: tuple[dict[str, Any], set[int]] | None = None  # the latest plan's, and the plan
+
+
+def _devices_of(plan: dict[str, Any]) -> set[int]:
+    """The devices ``plan`` uses: once per plan however many nodes of this process apply it
+    (the protocol hands them the same object), not 16,384 devices a node. Not changed."""
+    global _devices
+    if _devices is None or _devices[0] is not plan:
+        _devices = (plan, protocol.plan_devices(plan))
+    return _devices[1]
 
 
 async def keep_connected(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> None:

@@ -173,14 +173,12 @@ def send(command_ids: Iterable[uuid.UUID]) -> int:
     went out (with Redis down, none: ``resend`` tries again)."""
     pending = list(
         AgentCommand.objects.filter(pk__in=list(command_ids), acked_at__isnull=True).values_list(
-            "pk", "node__job_id", "node__name", "decision_id", "frame"
+            "pk", "node__job_id", "node__name", "frame"
         )
     )
-    plans = _packed_plans({decision for _, _, _, decision, _ in pending})
-    messages = [
-        (job, node, {"command": with_plan(frame, plans[decision])})
-        for _, job, node, decision, frame in pending
-    ]
+    # without the plan: 2,048 copies of it overflowed Redis's buffer for the subscribed servers,
+    # which then lost them all; each server process adds it (``packed_plan``, read once)
+    messages = [(job, node, {"command": frame}) for _, job, node, frame in pending]
     try:
         hub.publish_each(messages)
     except (RedisError, OSError) as exc:
@@ -191,16 +189,19 @@ def send(command_ids: Iterable[uuid.UUID]) -> int:
     return len(sent)
 
 
-def _packed_plans(decisions: set[int]) -> dict[int, str]:
-    return dict(RecoveryDecision.objects.filter(pk__in=decisions).values_list("pk", "packed_plan"))
+def lacks_plan(frame: dict[str, Any]) -> bool:
+    """An ``apply_plan`` frame kept without its plan (one kept whole before ``packed_plan``
+    existed has it)."""
+    return frame.get("action") == protocol.Action.APPLY_PLAN and "plan" not in frame
 
 
-def with_plan(frame: dict[str, Any], packed: str) -> dict[str, Any]:
-    """A command's frame as sent: with its decision's plan, when it is an ``apply_plan`` (and
-    was kept without it; a frame kept whole before ``packed_plan`` existed has it already)."""
-    if frame.get("action") != protocol.Action.APPLY_PLAN or "plan" in frame or not packed:
-        return frame
-    return {**frame, "plan": packed}
+def packed_plan(decision_id: int) -> str:
+    """The decision's plan as its commands carry it (``RecoveryDecision.packed_plan``)."""
+    packed = RecoveryDecision.objects.values_list("packed_plan", flat=True).get(pk=decision_id)
+    if packed:
+        return packed
+    plan = RecoveryDecision.objects.values_list("plan", flat=True).get(pk=decision_id)
+    return protocol.pack_plan(plan or {})
 
 
 @dataclass(frozen=True)
@@ -215,23 +216,13 @@ class Unfinished:
 
 def unfinished(node_id: int) -> list[Unfinished]:
     """The node's commands of decisions still applying that it has not completed a step under
-    (a reconnecting agent is sent again those it has not acknowledged)."""
-    found = list(
-        AgentCommand.objects.filter(
-            node_id=node_id, decision__status=DecisionStatus.APPLYING, stepped_at__isnull=True
-        )
-        .exclude(ok=False)
-        .order_by("created_at")
-    )
-    plans = _packed_plans({c.decision_id for c in found if c.acked_at is None})
+    (a reconnecting agent is sent again those it has not acknowledged), without their plan."""
+    found = AgentCommand.objects.filter(
+        node_id=node_id, decision__status=DecisionStatus.APPLYING, stepped_at__isnull=True
+    ).exclude(ok=False)
     return [
-        Unfinished(
-            str(c.pk),
-            c.frame if c.acked_at is not None else with_plan(c.frame, plans[c.decision_id]),
-            c.acked_at is not None,
-            c.resumed_step,
-        )
-        for c in found
+        Unfinished(str(c.pk), c.frame, c.acked_at is not None, c.resumed_step)
+        for c in found.order_by("created_at")
     ]
 
 
@@ -271,7 +262,7 @@ def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | 
                 fresh[command.pk] = command
         if not fresh:
             return commands
-        AgentCommand.objects.bulk_update(list(fresh.values()), ["acked_at", "ok", "error"])
+        _update_in_groups(fresh.values(), ("acked_at", "ok", "error"))
         decisions = {
             d.pk: d
             for d in RecoveryDecision.objects.select_for_update(of=("self",))
@@ -292,6 +283,17 @@ def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | 
                 reason = f"{first.node.name} refused the plan: {first.error or 'no reason given'}"
                 _fail(decision.pk, reason, actor=f"agent:{first.node.name}")
     return commands
+
+
+def _update_in_groups(commands: Iterable[AgentCommand], fields: Sequence[str]) -> None:
+    """Write ``fields`` of each command: one UPDATE for the commands that have the same values
+    (2,048 nodes acknowledging, or resuming at the same step, are one), where ``bulk_update``
+    builds a CASE of every row for every field."""
+    groups: dict[tuple[Any, ...], list[uuid.UUID]] = {}
+    for command in commands:
+        groups.setdefault(tuple(getattr(command, f) for f in fields), []).append(command.pk)
+    for values, pks in groups.items():
+        AgentCommand.objects.filter(pk__in=pks).update(**dict(zip(fields, values, strict=True)))
 
 
 def _uuid(text: str) -> uuid.UUID | None:
@@ -348,8 +350,9 @@ def progress_each(reports: Sequence[tuple[str, int]]) -> list[int | None]:
             else:
                 continue
             changed[command.pk] = command
-        fields = ["resumed_at", "resumed_step", "stepped_at", "stepped_step"]
-        AgentCommand.objects.bulk_update(list(changed.values()), fields)
+        _update_in_groups(
+            changed.values(), ("resumed_at", "resumed_step", "stepped_at", "stepped_step")
+        )
         recovered = {pk for pk, step in latest.items() if _moved_on(applying[pk], step)}
     return [
         None

@@ -378,6 +378,38 @@ def batches(kind: str) -> Batches[Any, Any]:
     return found
 
 
+class Plans:
+    """One event loop's packed plans by decision: read once however many of its sockets are
+    sent one (a decision's plan does not change once applying begins); kept a minute."""
+
+    KEPT_S = 60.0
+
+    def __init__(self) -> None:
+        self.found: dict[int, asyncio.Future[str]] = {}
+
+    async def packed(self, decision_id: int) -> str:
+        found = self.found.get(decision_id)
+        if found is None:
+            loop = asyncio.get_running_loop()
+            found = self.found[decision_id] = asyncio.ensure_future(
+                in_thread(applying.packed_plan)(decision_id)
+            )
+            loop.call_later(self.KEPT_S, self.found.pop, decision_id, None)
+        try:
+            return await asyncio.shield(found)
+        except Exception:
+            self.found.pop(decision_id, None)  # not kept: the next socket reads it again
+            raise
+
+
+_plans: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Plans] = weakref.WeakKeyDictionary()
+
+
+def plans() -> Plans:
+    """The running event loop's ``Plans``."""
+    return _plans.setdefault(asyncio.get_running_loop(), Plans())
+
+
 def _goodbye(session: Session) -> None:
     lifecycle.left(job_id=session.job_id, node_id=session.node_id)
 
@@ -637,6 +669,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
             self.awaited.setdefault(str(frame["id"]), Awaited())
+        if applying.lacks_plan(frame):
+            frame = {**frame, "plan": await plans().packed(int(frame["decision"]))}
         await self.tell(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:

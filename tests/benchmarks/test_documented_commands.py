@@ -77,6 +77,10 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ),
     # a tab open 2 s, one cold load of each page, one simulated node (Chromium's start is most)
     ("benchmarks.dashboard_load", None): ("--seconds", "2", "--loads", "1", "--nodes", "1"),
+    # six simulated nodes, one killed and then two
+    ("benchmarks.recovery_scale", None): (
+        *("--nodes", "6", "--burst", "2", "--settle", "1", "--timeout", "60"),
+    ),
     ("benchmarks.heartbeat_load", None): (
         *("--connections", "16", "--seconds", "5", "--kills", "2", "--hangs", "1"),
         *("--settle", "1"),
