@@ -10,6 +10,7 @@ comes. Sockets reconnect with a jittered back-off; SIGTERM or Ctrl-C says goodby
 
     python -m worker_agent simulate --server ws://127.0.0.1:8000 --job NAME --token TOKEN
         --nodes 4 [--devices-per-node 8] [--first-node 0] [--scenario FILE] [--seconds S]
+        [--ramp S]
 
 Bounded: at most 4,096 nodes, and a loopback server unless ``--allow-remote`` (a container
 network). ``PITSTOP_SERVER``, ``PITSTOP_JOB`` and ``PITSTOP_AGENT_TOKEN`` give the defaults.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -176,8 +178,15 @@ def _devices_of(plan: dict[str, Any]) -> set[int]:
     return _devices[1]
 
 
-async def keep_connected(node: Node, url: str, job: str, token: str, stop: asyncio.Event) -> None:
-    """The node's socket (``connection.Uplink``) until ``stop``, or a ``stop`` command."""
+async def keep_connected(
+    node: Node, url: str, job: str, token: str, stop: asyncio.Event, after_s: float = 0.0
+) -> None:
+    """The node's socket (``connection.Uplink``), opened ``after_s`` from now, until ``stop``,
+    or a ``stop`` command."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=after_s)
+    if stop.is_set():
+        return
     leave = asyncio.Event()  # the whole simulation stops, or this node was told to
 
     async def on_command(frame: protocol.Command) -> None:
@@ -250,6 +259,9 @@ def parser() -> argparse.ArgumentParser:
                    "by the core's estimator")  # fmt: skip
     p.add_argument("--restore-s", type=float, default=0.2, help="seconds to apply a plan")
     p.add_argument("--seconds", type=float, help="stop after this long (default: when stopped)")
+    p.add_argument("--ramp", type=float, default=0.0,
+                   help="seconds over which the nodes open their sockets, evenly (default: "
+                   "at once; thousands at once outlast an agent's 10 s to open)")  # fmt: skip
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a server that is not on loopback (a container network)")  # fmt: skip
     return p
@@ -262,8 +274,8 @@ def check_arguments(args: argparse.Namespace, p: argparse.ArgumentParser) -> Non
         p.error(f"--nodes must be within 1..{MAX_NODES}")
     if args.devices_per_node < 1 or args.first_node < 0:
         p.error("--devices-per-node must be ≥ 1 and --first-node ≥ 0")
-    if not args.step_time > 0 or args.restore_s < 0:
-        p.error("--step-time must be > 0 and --restore-s ≥ 0")
+    if not args.step_time > 0 or args.restore_s < 0 or not 0 <= args.ramp <= 3600:
+        p.error("--step-time must be > 0, --restore-s ≥ 0 and --ramp within 0..3600")
     url = server_url(p, args.server)
     if not args.allow_remote and not _loopback(url.hostname or ""):
         p.error(f"--server {url.hostname} is not on loopback; add --allow-remote to mean it")
@@ -297,7 +309,12 @@ async def simulate(args: argparse.Namespace) -> None:
     if args.seconds is not None:
         loop.call_later(args.seconds, stop.set)
     log.info("simulating %d nodes of %s at %.3g s a step", len(nodes), args.job, step_s)
-    await asyncio.gather(*(keep_connected(n, url, args.job, args.token, stop) for n in nodes))
+    await asyncio.gather(
+        *(
+            keep_connected(n, url, args.job, args.token, stop, after_s=args.ramp * i / len(nodes))
+            for i, n in enumerate(nodes)
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

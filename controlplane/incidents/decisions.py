@@ -591,7 +591,9 @@ def node_came_back(
     counts this node too, and one already chosen leaves its devices spares. The new decision,
     or None."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job_id)
+        # not the scenario (megabytes at 16,384 devices, read while the job is locked): agents
+        # coming back after a failed start each take this lock in turn
+        job = Job.objects.select_for_update().defer("scenario").get(pk=job_id)
         decided = RecoveryDecision.objects.select_related("failure").filter(job=job)
         growth = decided.filter(status__in=OPEN, grows=True).first()
         if growth is None and decided.filter(status__in=OPEN).exists():

@@ -1,0 +1,270 @@
+"""A 16,384-device job's recovery through the whole control plane, kill to training again.
+
+It starts the stack ``./dev demo`` runs (Daphne, a Celery worker, the detector; here on
+PostgreSQL and this machine's Redis, a fresh database and Redis database each run), creates an
+``auto`` job of the 7B model on ``--nodes`` simulated nodes of 8 devices (PP4 × DP(2 × nodes),
+``controlplane.demo.scale_scenario``) and plays them with ``python -m worker_agent simulate``:
+two processes for the bulk, and one process for each node that will be killed. Once every node
+trains it SIGKILLs one node's process (its socket closes without goodbye), waits until the job
+trains again, then kills ``--burst`` more nodes 20 ms apart (a rack) and waits again. For each
+round it reads the recovery's phases from the REST API (detect, plan, approve, transfer: every
+agent acknowledged, restart: every agent training again, first step), the heartbeat ingest lag
+from kill to training again (the server's own histogram), and every command's
+acknowledgements and sends from the database.
+
+    python -m benchmarks.recovery_scale [--nodes 2048] [--burst 10] [--policies rerouting,...]
+
+Goals on this machine: kill → training again ≤ 3 s, ingest p99 < 100 ms throughout, every
+command acknowledged once. Bounded: every wait has a deadline; loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+from benchmarks.heartbeat_load import lag_buckets, percentile
+from benchmarks.results import write_results
+from controlplane.demo import (
+    POLICIES,
+    ControlPlane,
+    Processes,
+    free_port,
+    scale_scenario,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "benchmarks" / "results" / "recovery_scale-logs"
+GOAL_S, P99_GOAL_S = 3.0, 0.1
+PHASES = ("detect", "plan", "approve", "transfer", "restart", "first_step")
+BURST_GAP_S = 0.02
+ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+# every command of the job's decisions: how many, acknowledged, sent more than once
+COMMANDS = """
+import json
+from django.db.models import Count, Max, Q
+from controlplane.incidents.models import AgentCommand
+out = AgentCommand.objects.filter(decision__job_id={job}).values("decision_id").annotate(
+    commands=Count("pk"), acked=Count("pk", filter=Q(acked_at__isnull=False)),
+    resent=Count("pk", filter=Q(sends__gt=1)), most_sends=Max("sends"))
+print(json.dumps({{str(r.pop("decision_id")): r for r in out}}))
+"""
+
+
+def _time(text: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+class Stack:
+    """The control plane on a fresh PostgreSQL database and Redis database, and the job."""
+
+    def __init__(self, data: Path, nodes: int, policies: list[str]) -> None:
+        self.data, self.nodes = data, nodes
+        self.database = f"pitstop_scale_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(ADMIN, autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{self.database}"')
+        self.redis_url = os.environ["REDIS_URL"]
+        self.redis = redis.Redis.from_url(self.redis_url)
+        self.redis.flushdb()
+        logs = data / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PITSTOP_DATA_DIR=str(data), OMP_NUM_THREADS="1",
+                   DATABASE_URL=f"postgresql://postgres@127.0.0.1:5432/{self.database}",
+                   REDIS_URL=self.redis_url,
+                   DJANGO_SETTINGS_MODULE="controlplane.settings")  # fmt: skip
+        self.processes = Processes(logs, env)
+        self.plane = ControlPlane(data, free_port(), self.processes)
+        self.policies = policies
+
+    def start(self) -> None:
+        self.plane.start()
+        scenario = scale_scenario(self.nodes)
+        self.scenario = self.data / "scale.json"
+        self.scenario.write_text(json.dumps(scenario))
+        spec = {"name": "scale", "scenario": scenario, "mode": "auto", "policies": self.policies}
+        made = self.plane.setup("bench", secrets.token_urlsafe(16), [spec])["jobs"]["scale"]
+        self.job, self.token = made["id"], made["token"]
+
+    def simulate(self, name: str, first: int, count: int, step_s: float, ramp_s: float) -> None:
+        self.processes.start(
+            name,
+            [sys.executable, "-m", "worker_agent", "simulate",
+             "--server", f"ws://127.0.0.1:{self.plane.port}", "--job", "scale",
+             "--nodes", str(count), "--first-node", str(first), "--devices-per-node", "8",
+             "--step-time", str(step_s), "--ramp", str(ramp_s)],
+            {"PITSTOP_AGENT_TOKEN": self.token},
+        )  # fmt: skip
+
+    def live(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.plane.api(f"/api/v1/jobs/{self.job}/live/")
+        return found
+
+    def training(self) -> bool:
+        """Every node left connected, and each of its devices training or idle (a spare)."""
+        live = self.live()
+        states = live.get("device_states", {})
+        return bool(
+            live.get("nodes_connected") == self.nodes - self.lost
+            and states.get("training", 0) > 0
+            and set(states) <= {"training", "idle"}
+        )
+
+    lost = 0  # nodes killed so far
+
+    def decisions(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self.plane.api(f"/api/v1/recoveries/?job={self.job}")[
+            "results"
+        ]
+        return found
+
+    def commands(self) -> dict[str, Any]:
+        out = self.plane.manage("shell", "-c", COMMANDS.format(job=self.job))
+        found: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return found
+
+    def close(self) -> None:
+        self.processes.stop_all(last=["server"])
+        kept = LOGS / str(self.nodes)  # the processes' logs, for what went wrong
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(self.processes.logs, kept)
+        self.redis.flushdb()
+        self.redis.close()
+        with psycopg.connect(ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+
+
+def one_round(stack: Stack, victims: list[str], timeout: float) -> dict[str, Any]:
+    """Kill ``victims`` (process names) 20 ms apart; the recovery of the decision that ends it."""
+    before = {d["id"] for d in stack.decisions()}
+    lag0 = lag_buckets(stack.redis)
+    killed_at = time.time()
+    for k, victim in enumerate(victims):
+        if k:
+            time.sleep(max(killed_at + k * BURST_GAP_S - time.time(), 0))
+        stack.processes.stop(victim, signal.SIGKILL)
+    stack.lost += len(victims)
+
+    def settled() -> dict[str, Any] | None:
+        new = [d for d in stack.decisions() if d["id"] not in before]
+        if not new or any(d["status"] not in ("recovered", "failed", "superseded") for d in new):
+            return None
+        return max(new, key=lambda d: d["id"])
+
+    try:
+        decision = wait_for(settled, "the recovery", timeout, stack.processes, interval=0.1)
+    except TimeoutError:  # where it stands, to say what did not scale
+        decision = max(
+            (d for d in stack.decisions() if d["id"] not in before),
+            key=lambda d: d["id"],
+            default={"status": "no decision", "id": None},
+        )
+        decision = {**decision, "status": f"timeout ({decision['status']})"}
+    lag1 = lag_buckets(stack.redis)
+    window = [(b, c - c0) for (b, c), (_, c0) in zip(lag1[0], lag0[0], strict=True)]
+    new = [d for d in stack.decisions() if d["id"] not in before]
+    row: dict[str, Any] = {
+        "killed": len(victims),
+        "decisions": len(new),
+        "status": decision["status"],
+        "reason": decision.get("reason") or "",
+        "ingest_p50_ms": _ms(percentile(window, 0.5)),
+        "ingest_p99_ms": _ms(percentile(window, 0.99)),
+        "beats": window[-1][1],
+    }
+    if decision["id"] is None:
+        return row
+    timeline = stack.plane.api(f"/api/v1/recoveries/{decision['id']}/timeline/")
+    phases = {p["phase"]: p for p in timeline["phases"]}
+    if decision.get("chosen") is not None:
+        row["policy"] = decision["candidates"][decision["chosen"]]["policy"]
+    row.update({f"{name}_s": phases[name]["seconds"] for name in PHASES if name in phases})
+    detected = [d["failure"]["detected_at"] for d in new if d.get("failure")]
+    row["kill_to_detected_s"] = min(_time(t) for t in detected) - killed_at
+    for name, phase in (("training", "restart"), ("step", "first_step")):
+        end = phases.get(phase, {}).get("end")
+        row[f"kill_to_{name}_s"] = None if end is None else _time(end) - killed_at
+    commands = stack.commands().get(str(decision["id"]), {})
+    row.update({f"commands_{k}": v for k, v in commands.items()})
+    return row
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="pitstop-scale-") as tmp:
+        stack = Stack(Path(tmp), args.nodes, args.policies)
+        try:
+            stack.start()
+            spared = 1 + args.burst  # the last nodes, one process each
+            bulk = args.nodes - spared
+            ramp = min(10.0, args.nodes / 200)  # as heartbeat_load opens them
+            stack.simulate("sim-a", 0, bulk // 2, args.step_time, ramp)
+            stack.simulate("sim-b", bulk // 2, bulk - bulk // 2, args.step_time, ramp)
+            victims = []
+            for i in range(bulk, args.nodes):
+                stack.simulate(f"victim-{i}", i, 1, args.step_time, 0)
+                victims.append(f"victim-{i}")
+            print(f"{args.nodes} nodes connecting …", flush=True)
+            wait_for(stack.training, "every node training", args.timeout, stack.processes)
+            time.sleep(args.settle)
+            rows = []
+            for name, killed in (("one", victims[:1]), (f"burst of {args.burst}", victims[1:])):
+                if not killed:
+                    continue
+                print(f"killing {name} …", flush=True)
+                row = {"round": name, **one_round(stack, killed, args.timeout)}
+                print("  " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+                rows.append(row)
+                if row["status"] != "recovered":
+                    break
+                wait_for(stack.training, "training again", args.timeout, stack.processes)
+                time.sleep(args.settle)
+            return rows
+        finally:
+            stack.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2048, help="simulated nodes of 8 devices")
+    parser.add_argument("--burst", type=int, default=10, help="nodes killed in the second round")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="the job's policies (default: the demo's)")  # fmt: skip
+    parser.add_argument("--step-time", type=float, default=0.5, help="a simulated step, seconds")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds before each kill")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds for each wait")
+    parser.add_argument("--redis-db", type=int, default=13, help="this machine's Redis database")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/recovery_scale.json")
+    args = parser.parse_args(argv)
+    args.policies = [p for p in args.policies.split(",") if p]
+    if not 2 + args.burst <= args.nodes <= 4096 or args.burst < 0:
+        parser.error("--nodes must be within 2 + --burst .. 4096, --burst ≥ 0")
+    # ours too: the server's keys are read here, under the prefix its database number gives
+    os.environ["REDIS_URL"] = f"redis://127.0.0.1:6379/{args.redis_db}"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    rows = run(args)
+    write_results(args.out, {"nodes": args.nodes, "devices": args.nodes * 8, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
