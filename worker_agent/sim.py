@@ -166,15 +166,17 @@ class Node:
         return None
 
 
-_devices: tuple[dict[str, Any], set[int]] | None = None  # the latest plan's, and the plan
+_devices: tuple[object, set[int]] | None = None  # the latest plan's pipelines, and its devices
 
 
 def _devices_of(plan: dict[str, Any]) -> set[int]:
-    """The devices ``plan`` uses: once per plan however many nodes of this process apply it
-    (the protocol hands them the same object), not 16,384 devices a node. Not changed."""
+    """The devices ``plan`` uses: once per plan however many nodes of this process apply it,
+    not 16,384 devices a node (each command's plan is a new dict, but its pipelines are the
+    same object: ``protocol.unpack_plan``). Not changed."""
     global _devices
-    if _devices is None or _devices[0] is not plan:
-        _devices = (plan, protocol.plan_devices(plan))
+    pipelines = plan.get("pipelines")
+    if _devices is None or _devices[0] is not pipelines:
+        _devices = (pipelines, protocol.plan_devices(plan))
     return _devices[1]
 
 
