@@ -302,10 +302,11 @@ class Batches(Generic[Item, Result]):
         try:
             while self.queued:
                 batch, self.queued = self.queued, []
+                items = [item for item, _ in batch]
                 try:
-                    results = await in_thread(self.record)([item for item, _ in batch])
-                except Exception as exc:  # the whole batch: each item is told
-                    results = [exc] * len(batch)
+                    results = await in_thread(self.record)(items)
+                except Exception:  # the batch failed as a whole: each item alone, told its own
+                    results = await in_thread(self._each)(items)
                 for (_, done), result in zip(batch, results, strict=True):
                     if done.done():  # its socket stopped waiting (cancelled)
                         continue
@@ -315,6 +316,17 @@ class Batches(Generic[Item, Result]):
                         done.set_result(result)
         finally:
             self.draining = None
+
+    def _each(self, items: list[Item]) -> list[Result | Exception]:
+        """Each item recorded alone: one that cannot be (a database error, a bad row) does not
+        fail the others; thousands of sockets closed for one would be thousands of losses."""
+        results: list[Result | Exception] = []
+        for item in items:
+            try:
+                results.extend(self.record([item]))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 def _record_losses(batch: list[Loss]) -> list[Exception | None]:
@@ -332,8 +344,9 @@ def _record_losses(batch: list[Loss]) -> list[Exception | None]:
 
 
 def _record_acks(batch: list[tuple[Session, protocol.Ack]]) -> list[str | Exception | None]:
-    """Acknowledgements recorded together (``_acked`` for each): "command" or "drill", None
-    for a command never sent to the node, or the refusal of a revoked token."""
+    """Acknowledgements recorded together (``applying.acked_each``, a drill's each alone): for
+    each, "command" or "drill" by what it acknowledged, None for a command never sent to the
+    node, or the refusal of a token revoked meanwhile."""
     tokens = {session.token_id for session, _ in batch}
     live = set(
         AgentToken.objects.filter(pk__in=tokens, revoked_at__isnull=True).values_list(
