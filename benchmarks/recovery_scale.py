@@ -37,6 +37,7 @@ import psycopg
 import redis
 
 from benchmarks.heartbeat_load import lag_buckets, percentile
+from benchmarks.recovery_e2e import PHASES, _time
 from benchmarks.results import write_results
 from controlplane.demo import (
     POLICIES,
@@ -50,7 +51,6 @@ from controlplane.demo import (
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "benchmarks" / "results" / "recovery_scale-logs"
 GOAL_S, P99_GOAL_S = 3.0, 0.1
-PHASES = ("detect", "plan", "approve", "transfer", "restart", "first_step")
 BURST_GAP_S = 0.02
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -64,12 +64,6 @@ out = AgentCommand.objects.filter(decision__job_id={job}).values("decision_id").
     resent=Count("pk", filter=Q(sends__gt=1)), most_sends=Max("sends"))
 print(json.dumps({{str(r.pop("decision_id")): r for r in out}}))
 """
-
-
-def _time(text: str) -> float:
-    import datetime as dt
-
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 class Stack:

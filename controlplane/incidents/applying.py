@@ -4,8 +4,8 @@ recovered decision.
 ``begin`` runs in the transaction that chose the plan (approval, override, the job's mode or
 its deadline): the decision becomes ``applying``, the plan becomes the job's, and one command
 row per connected node is written; the commands are published only after the commit. An agent
-acknowledges its command by id (``acked``), then reports training again and completes a step
-(``progress``); when every agent whose node runs a part of the plan has (a standby only
+acknowledges its command by id (``acked_each``), then reports training again and completes a step
+(``progress_each``); when every agent whose node runs a part of the plan has (a standby only
 acknowledges: ``training_commands``), the decision is ``recovered`` and the job runs again.
 
 Nothing is lost to a restart: commands live in the database, a reconnecting agent is sent its
@@ -231,11 +231,6 @@ def ack_error(ack: protocol.Ack) -> str:
     return "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
 
 
-def acked(node_id: int, ack: protocol.Ack) -> AgentCommand | None:
-    """Record an agent's acknowledgement (``acked_each`` of one)."""
-    return acked_each([(node_id, ack)])[0]
-
-
 def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | None]:
     """Record agents' acknowledgements (node, ack) together, in one transaction; for each, its
     command, or None when its node was sent no such command. A refusal fails the decision with
@@ -301,11 +296,6 @@ def _uuid(text: str) -> uuid.UUID | None:
         return uuid.UUID(text)
     except ValueError:
         return None
-
-
-def progress(command_id: str, *, step: int) -> int | None:
-    """An agent's report of training again (``progress_each`` of one)."""
-    return progress_each([(command_id, step)])[0]
 
 
 def progress_each(reports: Sequence[tuple[str, int]]) -> list[int | None]:

@@ -368,17 +368,13 @@ def _record_acks(batch: list[tuple[Session, protocol.Ack]]) -> list[str | Except
     return results
 
 
-def _record_progress(batch: list[tuple[str, int]]) -> list[int | Exception | None]:
-    return list(applying.progress_each(batch))
-
-
 _batches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Batches[Any, Any]]] = (
     weakref.WeakKeyDictionary()
 )
 _RECORDERS: dict[str, Callable[[list[Any]], list[Any]]] = {
     "losses": _record_losses,
     "acks": _record_acks,
-    "progress": _record_progress,
+    "progress": applying.progress_each,
 }
 
 
