@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,8 @@ def ramp_s(connections: int) -> float:
 
 
 P99_GOAL_S, KILL_GOAL_S, HANG_GOAL_S = 0.1, 0.1, 2.0
+# what serves the agents: (environment, folder for logs) -> (the agents' url, the servers' pids)
+Servers = Callable[[dict[str, str], Path], contextlib.AbstractContextManager[tuple[str, list[int]]]]
 
 
 def scenario(nodes: int) -> dict[str, Any]:
@@ -195,7 +198,7 @@ async def _drain(ws: Any) -> None:
 
 
 def load(
-    cpu: int,
+    cpu: int | None,
     url: str,
     job: str,
     token: str,
@@ -203,7 +206,8 @@ def load(
     plans: dict[int, dict[str, Any]],
     results: Any,
 ) -> None:
-    pin(cpu)
+    if cpu is not None:
+        pin(cpu)
     out: dict[str, Any] = {"connect_errors": 0, "send_errors": 0, "sent_in_window": 0,
                            "kills": {}, "hangs": {}, "welcome_s": [],
                            "refused": collections.Counter(),
@@ -243,9 +247,51 @@ def lag_buckets(redis: Any) -> tuple[list[tuple[float, int]], float, int]:
     return [(float(b), n) for b, n in cumulative], total, beats
 
 
+@contextlib.contextmanager
+def one_server(env: dict[str, str], logs: Path) -> Iterator[tuple[str, list[int]]]:
+    """The ASGI server on loopback, on CPU 0: (the agents' url, [its pid])."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+         "controlplane.asgi:application"],
+        env=env, cwd=ROOT, preexec_fn=lambda: pin(0),
+        stdout=(logs / "server.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_for("127.0.0.1", port, server)
+        yield f"ws://127.0.0.1:{port}/ws/agent/", [server.pid]
+    finally:
+        stop([server])
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM, 20 s to exit, then SIGKILL."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def measure(
-    n: int, seconds: float, kills: int, hangs: int, redis_url: str, settle_s: float = SETTLE_S
+    n: int,
+    seconds: float,
+    kills: int,
+    hangs: int,
+    redis_url: str,
+    settle_s: float = SETTLE_S,
+    servers: Servers = one_server,
+    database_url: str | None = None,
+    pinned: bool = True,
+    keep: Path | None = None,
 ) -> dict[str, Any]:
+    """One run of ``n`` nodes against ``servers`` (started once the database is ready, with its
+    environment and the folder for logs), the detector beside them; ``database_url`` (default
+    a fresh SQLite file) must name an empty database. ``pinned``: the detector on CPU 0 and the
+    load on CPU 1, as ``one_server`` pins the server on CPU 0; otherwise nothing is pinned.
+    The processes' logs are kept in ``keep`` (default ``LOGS``/``n``)."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
@@ -253,7 +299,7 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="pitstop-hb-") as tmp:
         env = {
             **os.environ,
-            "DATABASE_URL": f"sqlite:///{tmp}/hb.sqlite3",
+            "DATABASE_URL": database_url or f"sqlite:///{tmp}/hb.sqlite3",
             "REDIS_URL": redis_url,
             "PITSTOP_DATA_DIR": tmp,
             "DJANGO_SETTINGS_MODULE": "controlplane.settings",
@@ -266,67 +312,76 @@ def measure(
             env=env, cwd=ROOT, check=True, capture_output=True, text=True,
         )  # fmt: skip
         token = made.stdout.strip().splitlines()[-1]
-        port = free_port()
         logs = Path(tmp)
-        server = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-             "controlplane.asgi:application"],
-            env=env, cwd=ROOT, preexec_fn=lambda: pin(0),
-            stdout=(logs / "server.log").open("wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
         detector = subprocess.Popen(
-            [*manage, "detect_failures"], env=env, cwd=ROOT, preexec_fn=lambda: pin(0),
+            [*manage, "detect_failures"], env=env, cwd=ROOT,
+            preexec_fn=(lambda: pin(0)) if pinned else None,
             stdout=(logs / "detector.log").open("wb"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            _wait_for(port, server)
-            start = time.time() + 2
-            opened = start + ramp_s(n) + 1 + settle_s
-            window = (opened, opened + seconds)
-            end = window[1] + 3
-            chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
-            plans: dict[int, dict[str, Any]] = {
-                i: {"end": end, "window": window, "ramp": ramp_s(n), "interval": interval()}
-                for i in range(n)
-            }
-            for k, node in enumerate(chosen[:kills]):
-                plans[node]["kill"] = window[1] - 2.5 + 0.02 * k
-            for node in chosen[kills:]:
-                plans[node]["hang"] = window[0] + seconds / 2
-            results: Any = mp.Queue()
-            url = f"ws://127.0.0.1:{port}/ws/agent/"
-            procs = [
-                mp.Process(
-                    target=load, args=(1, url, "bench", token, list(range(i, n, 2)), plans, results)
-                )
-                for i in range(2)
-            ]
-            for proc in procs:
-                proc.start()
-            lag_buckets(client)  # imports and connects now, not at the window's start
-            time.sleep(max(window[0] - time.time(), 0))
-            before, cpu0 = lag_buckets(client), cpu_seconds(server.pid)
-            detector0 = cpu_seconds(detector.pid)
-            time.sleep(max(window[1] - time.time(), 0))
-            after, cpu1 = lag_buckets(client), cpu_seconds(server.pid)
-            detector1 = cpu_seconds(detector.pid)
-            outs = [results.get(timeout=seconds + 120) for _ in procs]
-            for proc in procs:
-                proc.join(timeout=30)
-            time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
-            detected = _detections(env)
+            with servers(env, logs) as (url, pids):
+                row = _run_load(n, seconds, kills, hangs, settle_s, url, pids, token, env,
+                                client, detector.pid, 1 if pinned else None)  # fmt: skip
         finally:
-            for process in (server, detector):
-                process.send_signal(signal.SIGTERM)
-            for process in (server, detector):
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-            kept = LOGS / str(n)
+            stop([detector])
+            kept = keep or LOGS / str(n)
             kept.mkdir(parents=True, exist_ok=True)
-            for name in ("server.log", "detector.log"):
-                (kept / name).write_bytes((logs / name).read_bytes())
+            for log in logs.glob("*.log"):
+                (kept / log.name).write_bytes(log.read_bytes())
+    return row
+
+
+def _run_load(
+    n: int,
+    seconds: float,
+    kills: int,
+    hangs: int,
+    settle_s: float,
+    url: str,
+    pids: list[int],
+    token: str,
+    env: dict[str, str],
+    client: Any,
+    detector: int,
+    load_cpu: int | None,
+) -> dict[str, Any]:
+    start = time.time() + 2
+    opened = start + ramp_s(n) + 1 + settle_s
+    window = (opened, opened + seconds)
+    end = window[1] + 3
+    chosen = random.Random(n).sample(range(n), min(n, kills + hangs))
+    plans: dict[int, dict[str, Any]] = {
+        i: {"end": end, "window": window, "ramp": ramp_s(n), "interval": interval()}
+        for i in range(n)
+    }
+    for k, node in enumerate(chosen[:kills]):
+        plans[node]["kill"] = window[1] - 2.5 + 0.02 * k
+    for node in chosen[kills:]:
+        plans[node]["hang"] = window[0] + seconds / 2
+    # spawned, not forked: a fork of a process with threads (a caller's Celery or tqdm) can
+    # inherit a lock held by one of them, and hang
+    spawn = mp.get_context("spawn")
+    results: Any = spawn.Queue()
+    procs = [
+        spawn.Process(
+            target=load, args=(load_cpu, url, "bench", token, list(range(i, n, 2)), plans, results)
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    lag_buckets(client)  # imports and connects now, not at the window's start
+    time.sleep(max(window[0] - time.time(), 0))
+    before, cpu0 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
+    detector0 = cpu_seconds(detector)
+    time.sleep(max(window[1] - time.time(), 0))
+    after, cpu1 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
+    detector1 = cpu_seconds(detector)
+    outs = [results.get(timeout=seconds + 120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
+    detected = _detections(env)
     window_buckets = [
         (bound, count - old) for (bound, count), (_, old) in zip(after[0], before[0], strict=True)
     ]
@@ -348,7 +403,10 @@ def measure(
         "ingested_hb_s": ingested / seconds,
         "ingest_p50_ms": None if p50 is None else p50 * 1000,
         "ingest_p99_ms": None if p99 is None else p99 * 1000,
-        "server_cpu_pct": 100 * (cpu1 - cpu0) / seconds,
+        "server_cpu_pct": 100 * (sum(cpu1) - sum(cpu0)) / seconds,
+        "server_cpu_each_pct": [
+            100 * (c1 - c0) / seconds for c0, c1 in zip(cpu0, cpu1, strict=True)
+        ],
         "detector_cpu_pct": 100 * (detector1 - detector0) / seconds,
         "welcome_p50_s": _quantile(welcomes, 0.5),
         "welcome_max_s": welcomes[-1] if welcomes else None,
@@ -385,13 +443,14 @@ def liveness_deadline() -> float:
     return interval() * int(os.environ.get("PITSTOP_MISSED_BEATS", 3))
 
 
-def _wait_for(port: int, server: subprocess.Popen[bytes]) -> None:
+def wait_for(address: str, port: int, server: subprocess.Popen[bytes]) -> None:
+    """Until ``server`` listens on ``address:port`` (SystemExit past 60 s, or if it exits)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit("the server exited; see its log")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((address, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.2)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,18 @@ SCENARIO = ROOT / "examples" / "llama2-7b-pp4-dp8-tp1.json"
 POLICIES = ["odyssey", "dynamic", "checkpoint", "rerouting"]
 
 
-def configure(data_dir: Path, redis_url: str) -> dict[str, str]:
-    """Point this process (and the workers) at a fresh database and the given Redis."""
-    env = {
+def sqlite(data_dir: Path, redis_url: str) -> dict[str, str]:
+    """The environment of a fresh SQLite database in ``data_dir`` and the given Redis."""
+    return {
         "DATABASE_URL": f"sqlite:///{data_dir / 'bench.sqlite3'}",
         "REDIS_URL": redis_url,
         "PITSTOP_DATA_DIR": str(data_dir),
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
     }
+
+
+def configure(env: dict[str, str]) -> dict[str, str]:
+    """Point this process (and the workers) at ``env``'s database, migrated, and Redis."""
     os.environ.update(env)
     import django
 
@@ -52,18 +57,26 @@ def configure(data_dir: Path, redis_url: str) -> dict[str, str]:
     return env
 
 
-def start_workers(count: int, env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
+# where worker ``i`` runs: (the words its command line begins with, its own environment)
+Place = Callable[[int], tuple[list[str], dict[str, str]]]
+
+
+def start_workers(
+    count: int, env: dict[str, str], logs: Path, place: Place = lambda _: ([], {})
+) -> list[subprocess.Popen[bytes]]:
     workers = []
     for i in range(count):
         log = (logs / f"worker-{count}-{i}.log").open("wb")
+        prefix, own = place(i)
         workers.append(
             subprocess.Popen(
                 [
+                    *prefix,
                     *(sys.executable, "-m", "celery", "-A", "controlplane", "worker"),
                     *("--pool", "solo", "--hostname", f"bench{i}@%h", "--loglevel", "warning"),
                     *("--without-gossip", "--without-mingle", "--without-heartbeat"),
                 ],
-                env={**os.environ, **env},
+                env={**os.environ, **env, **own},
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -112,6 +125,32 @@ def timed_sweep(experiment: dict[str, Any], label: str) -> tuple[float, dict[str
     return seconds, dict(sweep.summary or {}), sweep.workers
 
 
+def compare(
+    counts: list[int],
+    experiment: dict[str, Any],
+    env: dict[str, str],
+    logs: Path,
+    place: Place = lambda _: ([], {}),
+) -> tuple[list[dict[str, Any]], bool]:
+    """The same sweep on each count of workers in turn: a row per count (seconds, the workers
+    that ran pieces, the speedup over the first count), and whether every summary is the same."""
+    from controlplane.celery import app
+
+    app.control.purge()
+    rows, summaries = [], []
+    for count in counts:
+        workers = start_workers(count, env, logs, place)
+        try:
+            seconds, summary, seen = timed_sweep(experiment, f"{count} worker(s)")
+        finally:
+            stop(workers)
+        summaries.append(summary)
+        rows.append({"workers": count, "seconds": seconds, "workers_seen": len(seen)})
+    for row in rows:
+        row["speedup"] = rows[0]["seconds"] / row["seconds"]
+    return rows, all(s == summaries[0] for s in summaries)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=20, help="seeds of the sweep (default 20)")
@@ -134,24 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds,
         "trace": {"failure_rate_per_device_hour": 0.01, "repair_hours": 4},
     }
-    rows = []
     with tempfile.TemporaryDirectory(prefix="pitstop-sweep-") as tmp:
-        env = configure(Path(tmp), redis_url)
-        from controlplane.celery import app
-
-        app.control.purge()
-        summaries = []
-        for count in counts:
-            workers = start_workers(count, env, Path(tmp))
-            try:
-                seconds, summary, seen = timed_sweep(experiment, f"{count} worker(s)")
-            finally:
-                stop(workers)
-            summaries.append(summary)
-            rows.append({"workers": count, "seconds": seconds, "workers_seen": len(seen)})
-    same = all(s == summaries[0] for s in summaries)
-    for row in rows:
-        row["speedup"] = rows[0]["seconds"] / row["seconds"]
+        env = configure(sqlite(Path(tmp), redis_url))
+        rows, same = compare(counts, experiment, env, Path(tmp))
     pieces = args.seeds * (len(POLICIES) + 1)
     print(f"\nsweep: {args.seeds} seeds × {len(POLICIES)} policies + ideal = {pieces} pieces, "
           f"{args.hours:g} h each, {SCENARIO.name}")  # fmt: skip

@@ -1,6 +1,6 @@
-"""Partitions on the project's own test hosts (``tests.netns``): a simulated node on a host of
-its own, its link cut for 10 s and healed, is failed once, by the heartbeat deadline, the job
-recovers on the rest, and the node joins again by a new hello; a slow, lossy link (``tc
+"""Partitions on the project's own test hosts (``benchmarks/netns.py``): a simulated node on a
+host of its own, its link cut for 10 s and healed, is failed once, by the heartbeat deadline, the
+job recovers on the rest, and the node joins again by a new hello; a slow, lossy link (``tc
 netem``, where the kernel has it) fails nobody. The control plane listens on loopback and on
 the root end of each host's veth; no other address is used."""
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests import netns
+from benchmarks import netns
 from tests.e2e.stack import SCENARIO, Stack, setup
 from tests.processes import REPO_ROOT
 
