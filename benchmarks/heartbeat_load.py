@@ -239,6 +239,13 @@ def percentile(buckets: list[tuple[float, int]], q: float) -> float | None:
     return lower
 
 
+def _minus(
+    after: list[tuple[float, int]], before: list[tuple[float, int]]
+) -> list[tuple[float, int]]:
+    """The cumulative histogram of what came between two readings."""
+    return [(bound, n - old) for (bound, n), (_, old) in zip(after, before, strict=True)]
+
+
 def lag_buckets(redis: Any) -> tuple[list[tuple[float, int]], float, int]:
     from controlplane.jobs import liveness
 
@@ -374,7 +381,12 @@ def _run_load(
     time.sleep(max(window[0] - time.time(), 0))
     before, cpu0 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
     detector0 = cpu_seconds(detector)
-    time.sleep(max(window[1] - time.time(), 0))
+    p99_each_s, last = [], before[0]  # each second's p99, to tell a stall from a steady lag
+    while time.time() < window[1]:
+        time.sleep(max(min(1.0, window[1] - time.time()), 0))
+        now = lag_buckets(client)[0]
+        p99_each_s.append(percentile(_minus(now, last), 0.99))
+        last = now
     after, cpu1 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
     detector1 = cpu_seconds(detector)
     outs = [results.get(timeout=seconds + 120) for _ in procs]
@@ -382,9 +394,7 @@ def _run_load(
         proc.join(timeout=30)
     time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
     detected = _detections(env)
-    window_buckets = [
-        (bound, count - old) for (bound, count), (_, old) in zip(after[0], before[0], strict=True)
-    ]
+    window_buckets = _minus(after[0], before[0])
     sent = sum(o["sent_in_window"] for o in outs)
     ingested = after[2] - before[2]
     killed = {int(k): v for o in outs for k, v in o["kills"].items()}
@@ -419,6 +429,7 @@ def _run_load(
         "kill_p50_s": _quantile(kill_s, 0.5),
         "kill_p99_s": _quantile(kill_s, 0.99),
         "kill_each_s": kill_order,
+        "ingest_p99_each_s_ms": [None if v is None else v * 1000 for v in p99_each_s],
         "hangs": len(hung),
         "hangs_detected": len(hang_s),
         "hang_max_s": max(hang_s) if hang_s else None,
