@@ -377,11 +377,19 @@ def _run_load(
     ]
     for proc in procs:
         proc.start()
-    lag_buckets(client)  # imports and connects now, not at the window's start
-    time.sleep(max(window[0] - time.time(), 0))
+    # each second's p99 from the first hello, to tell a stall from a steady lag and to see the
+    # start (the hellos) as well as the window
+    p99_each_s: list[float | None] = []
+    last = lag_buckets(client)[0]  # imports and connects now, not at the window's start
+    while time.time() < window[0]:
+        time.sleep(max(min(1.0, window[0] - time.time()), 0))
+        now = lag_buckets(client)[0]
+        p99_each_s.append(percentile(_minus(now, last), 0.99))
+        last = now
     before, cpu0 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
     detector0 = cpu_seconds(detector)
-    p99_each_s, last = [], before[0]  # each second's p99, to tell a stall from a steady lag
+    opened_at = len(p99_each_s)  # the window's first second in the list
+    last = before[0]
     while time.time() < window[1]:
         time.sleep(max(min(1.0, window[1] - time.time()), 0))
         now = lag_buckets(client)[0]
@@ -430,6 +438,9 @@ def _run_load(
         "kill_p99_s": _quantile(kill_s, 0.99),
         "kill_each_s": kill_order,
         "ingest_p99_each_s_ms": [None if v is None else v * 1000 for v in p99_each_s],
+        "window_opens_at": opened_at,
+        # nodes the detector failed that were neither killed nor hung: false failures
+        "false_failures": len(set(detected) - set(killed) - set(hung)),
         "hangs": len(hung),
         "hangs_detected": len(hang_s),
         "hang_max_s": max(hang_s) if hang_s else None,
@@ -534,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = (
         *("connections", "sent_hb_s", "ingested_hb_s", "ingest_p50_ms", "ingest_p99_ms"),
         *("server_cpu_pct", "kill_p50_s", "kill_p99_s", "hang_max_s", "send_errors"),
+        "false_failures",
     )
     print(" ".join(f"{c:>14}" for c in columns))
     for row in rows:

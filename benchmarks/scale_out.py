@@ -278,6 +278,7 @@ def report(beats: list[dict[str, Any]], swept: list[dict[str, Any]], same: bool)
     columns = (
         *("servers", "connections", "sent_hb_s", "ingested_hb_s", "ingest_p50_ms"),
         *("ingest_p99_ms", "server_cpu_pct", "hb_per_core_s", "kill_p99_s", "welcome_p50_s"),
+        "false_failures",
     )
     print("\nheartbeats, behind nginx")
     print(" ".join(f"{c:>14}" for c in columns))

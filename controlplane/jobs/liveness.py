@@ -110,6 +110,7 @@ class Writer:
         self.redis = redis
         self.name = name  # this process's and loop's, in ``BEHIND_KEY``
         self.since: float | None = None  # when the oldest beat queued now was queued (monotonic)
+        self.writing_since: float | None = None  # the same, for the batch being written
         # per job, each node's latest beat (heard at, frame text, step), or None to forget it
         self.queued: dict[int, dict[str, Beat | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
@@ -149,13 +150,20 @@ class Writer:
                 since, self.since = self.since, None
                 done, self.queued_done = self.queued_done, None
                 self.writing_done = done or asyncio.get_running_loop().create_future()
+                self.writing_since = since
                 try:
                     await self._write(batch, sent, since)
                 finally:
+                    self.writing_since = None
                     self.writing_done.set_result(None)
                     self.writing_done = None
         finally:
             self.flushing = None
+
+    def held_s(self) -> float:
+        """How long the oldest beat not yet written has waited (0: none waits)."""
+        waiting = [t for t in (self.writing_since, self.since) if t is not None]
+        return time.monotonic() - min(waiting) if waiting else 0.0
 
     async def settle(self) -> None:
         """Wait until what is queued now is written (or lost to a Redis error); not for what
@@ -236,23 +244,26 @@ def shared() -> tuple[aioredis.Redis, Writer]:
     if found is None:
         name = f"{socket.gethostname()}:{os.getpid()}:{id(loop)}"
         redis, writer = found = _shared[loop] = (client(), Writer(client(size=1), name))
-        writer.watching = loop.create_task(watch_loop(redis, name))
+        writer.watching = loop.create_task(watch_loop(redis, name, writer))
     return found
 
 
-async def watch_loop(redis: aioredis.Redis, name: str) -> None:
-    """Every ``LOOP_PERIOD_S``, how late this event loop wakes: later than
-    ``LOOP_BEHIND_DEADLINES`` deadlines (a burst of hellos, a long garbage collection), the
-    process is in ``BEHIND_KEY`` for a deadline from now. The writer puts it there too when a
-    batch of beats waited that long to be written (``Writer._write``)."""
+async def watch_loop(redis: aioredis.Redis, name: str, writer: Writer | None = None) -> None:
+    """Every ``LOOP_PERIOD_S``, how late this event loop wakes, and how long the oldest beat
+    ``writer`` has not written yet has waited: either longer than ``LOOP_BEHIND_DEADLINES``
+    deadlines (a burst of hellos, a long garbage collection, writes that Redis answers late),
+    the process is in ``BEHIND_KEY`` for a deadline from now. Said while the beats still wait,
+    on a connection other than the writer's, so that the detector hears it before their nodes
+    look silent; the writer says it again with the late beats (``Writer._write``)."""
     loop = asyncio.get_running_loop()
     deadline = deadline_s()
     while True:
         started = loop.time()
         await asyncio.sleep(LOOP_PERIOD_S)
         late = loop.time() - started - LOOP_PERIOD_S
-        if late > LOOP_BEHIND_DEADLINES * deadline:
-            log.warning("ingest.behind", late_s=round(late, 3))
+        held = 0.0 if writer is None else writer.held_s()
+        if max(late, held) > LOOP_BEHIND_DEADLINES * deadline:
+            log.warning("ingest.behind", late_s=round(late, 3), held_s=round(held, 3))
             with contextlib.suppress(RedisError):
                 await redis.zadd(BEHIND_KEY, {name: time.time() + deadline})
 

@@ -13,6 +13,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
+from redis import asyncio as aioredis
 
 from controlplane.incidents.models import Failure
 from controlplane.jobs import detector, liveness
@@ -139,6 +140,39 @@ async def test_a_server_behind_on_heartbeats_delays_the_judgement_of_a_silent_no
     for node in ("node-0", "node-2", "node-3"):
         await goodbye(sockets[node])
     await sockets["node-1"].disconnect()
+
+
+@pytest.mark.asyncio
+async def test_beats_waiting_on_a_redis_that_does_not_answer_say_behind_before_a_deadline(
+    redis: Any,
+) -> None:
+    """A writer whose Redis does not answer (a peer that accepts and stays silent): its process
+    is behind while the beats still wait, said on another connection, within a deadline of the
+    first beat, so the detector holds off before their nodes look silent. Said only with the
+    late beats, it came after the detector had already failed them."""
+
+    async def silent_peer(reader: asyncio.StreamReader, _: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client goes
+
+    peer = await asyncio.start_server(silent_peer, "127.0.0.1", 0)
+    port = peer.sockets[0].getsockname()[1]
+    stuck = liveness.Writer(aioredis.Redis(host="127.0.0.1", port=port), name="stuck-writer")
+    watcher = asyncio.create_task(liveness.watch_loop(redis, "stuck-writer", stuck))
+    began = time.monotonic()
+    stuck.beat(1, "node-0", time.time(), "{}", time.time(), None)
+    said = None
+    while time.monotonic() - began < detector.deadline_s():
+        if await redis.zscore(liveness.BEHIND_KEY, "stuck-writer") is not None:
+            said = time.monotonic() - began
+            break
+        await asyncio.sleep(0.02)
+    watcher.cancel()
+    assert stuck.flushing is not None
+    stuck.flushing.cancel()
+    peer.close()
+    await redis.zrem(liveness.BEHIND_KEY, "stuck-writer")
+    assert said is not None, f"not said behind within the {detector.deadline_s()} s deadline"
+    assert said >= liveness.LOOP_BEHIND_DEADLINES * detector.deadline_s()  # not before it waited
 
 
 DEADLINE_S = 3.0
