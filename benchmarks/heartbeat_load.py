@@ -213,8 +213,20 @@ def load(
                            "refused": collections.Counter(),
                            "closed": collections.Counter()}  # fmt: skip
 
+    async def watch() -> None:
+        """How late this process's loop wakes, at worst: a load behind by more than the
+        deadline makes its own agents look silent, whatever the server does."""
+        loop = asyncio.get_running_loop()
+        out["loop_late_max_s"] = 0.0
+        while True:
+            began = loop.time()
+            await asyncio.sleep(0.25)
+            out["loop_late_max_s"] = max(out["loop_late_max_s"], loop.time() - began - 0.25)
+
     async def everyone() -> None:
+        watcher = asyncio.create_task(watch())
         await asyncio.gather(*(agent(url, job, token, n, plans[n], out) for n in nodes))
+        watcher.cancel()
 
     asyncio.run(everyone())
     results.put(out)
@@ -432,6 +444,7 @@ def _run_load(
         "hellos_refused": dict(sum((o["refused"] for o in outs), collections.Counter())),
         "closed_by_server": dict(sum((o["closed"] for o in outs), collections.Counter())),
         "send_errors": sum(o["send_errors"] for o in outs),
+        "load_late_max_s": max(o["loop_late_max_s"] for o in outs),
         "kills": len(killed),
         "kills_detected": len(kill_s),
         "kill_p50_s": _quantile(kill_s, 0.5),

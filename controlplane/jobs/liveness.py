@@ -238,13 +238,16 @@ def shared() -> tuple[aioredis.Redis, Writer]:
     """The running event loop's Redis client, shared by its sockets (one connection pool, not
     one per socket), and its heartbeat writer, on a connection of its own: it writes one batch
     at a time, and no burst of the sockets' other commands makes it wait for a connection. The
-    first call also starts watching the loop (``watch_loop``)."""
+    first call also starts watching the loop (``watch_loop``), on a third connection."""
     loop = asyncio.get_running_loop()
     found = _shared.get(loop)
     if found is None:
         name = f"{socket.gethostname()}:{os.getpid()}:{id(loop)}"
-        redis, writer = found = _shared[loop] = (client(), Writer(client(size=1), name))
-        writer.watching = loop.create_task(watch_loop(redis, name, writer))
+        writer = Writer(client(size=1), name)
+        found = _shared[loop] = (client(), writer)
+        # on a connection of its own too: a burst of hellos that takes every connection of the
+        # pool would hold back the very word that the server is behind
+        writer.watching = loop.create_task(watch_loop(client(size=1), name, writer))
     return found
 
 

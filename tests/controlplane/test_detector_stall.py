@@ -175,6 +175,32 @@ async def test_beats_waiting_on_a_redis_that_does_not_answer_say_behind_before_a
     assert said >= liveness.LOOP_BEHIND_DEADLINES * detector.deadline_s()  # not before it waited
 
 
+@pytest.mark.asyncio
+async def test_a_server_whose_redis_connections_are_all_taken_still_says_it_is_behind(
+    redis: Any,
+) -> None:
+    """Every connection of the process's pool busy (a burst of hellos) and its loop blocked: the
+    word that it is behind still goes out at once, on the watcher's own connection. From the
+    pool, it waited for a connection as long as the burst lasted."""
+    pool, writer = liveness.shared()
+    await redis.zrem(liveness.BEHIND_KEY, writer.name)
+    never = f"{liveness.PREFIX}:test:never-pushed"
+    taken = [asyncio.create_task(pool.blpop([never], timeout=5)) for _ in range(liveness.POOL_SIZE)]
+    await asyncio.sleep(0.3)  # each holds a connection of the pool for 5 s
+    time.sleep(detector.deadline_s() * liveness.LOOP_BEHIND_DEADLINES + liveness.LOOP_PERIOD_S)
+    began, said = time.monotonic(), None
+    while time.monotonic() - began < 3:
+        if await redis.zscore(liveness.BEHIND_KEY, writer.name) is not None:
+            said = time.monotonic() - began
+            break
+        await asyncio.sleep(0.02)
+    for task in taken:
+        task.cancel()
+    await asyncio.gather(*taken, return_exceptions=True)
+    await redis.zrem(liveness.BEHIND_KEY, writer.name)
+    assert said is not None, "not said behind while the pool's connections were taken"
+
+
 DEADLINE_S = 3.0
 
 
