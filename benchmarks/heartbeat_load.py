@@ -251,6 +251,17 @@ def percentile(buckets: list[tuple[float, int]], q: float) -> float | None:
     return lower
 
 
+def _each_second(
+    client: Any, last: list[tuple[float, int]], until: float, out: list[float | None]
+) -> None:
+    """Each second's ingest p99 until ``until`` (Unix time) into ``out``, from reading ``last``."""
+    while time.time() < until:
+        time.sleep(max(min(1.0, until - time.time()), 0))
+        now = lag_buckets(client)[0]
+        out.append(percentile(_minus(now, last), 0.99))
+        last = now
+
+
 def _minus(
     after: list[tuple[float, int]], before: list[tuple[float, int]]
 ) -> list[tuple[float, int]]:
@@ -392,21 +403,12 @@ def _run_load(
     # each second's p99 from the first hello, to tell a stall from a steady lag and to see the
     # start (the hellos) as well as the window
     p99_each_s: list[float | None] = []
-    last = lag_buckets(client)[0]  # imports and connects now, not at the window's start
-    while time.time() < window[0]:
-        time.sleep(max(min(1.0, window[0] - time.time()), 0))
-        now = lag_buckets(client)[0]
-        p99_each_s.append(percentile(_minus(now, last), 0.99))
-        last = now
+    # the first reading imports and connects now, not at the window's start
+    _each_second(client, lag_buckets(client)[0], window[0], p99_each_s)
     before, cpu0 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
     detector0 = cpu_seconds(detector)
     opened_at = len(p99_each_s)  # the window's first second in the list
-    last = before[0]
-    while time.time() < window[1]:
-        time.sleep(max(min(1.0, window[1] - time.time()), 0))
-        now = lag_buckets(client)[0]
-        p99_each_s.append(percentile(_minus(now, last), 0.99))
-        last = now
+    _each_second(client, before[0], window[1], p99_each_s)
     after, cpu1 = lag_buckets(client), [cpu_seconds(pid) for pid in pids]
     detector1 = cpu_seconds(detector)
     outs = [results.get(timeout=seconds + 120) for _ in procs]
@@ -548,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         print(f"{n} connections: ramp {ramp_s(n):g} s, window {args.seconds:g} s …", flush=True)
         rows.append(measure(n, args.seconds, args.kills, args.hangs, redis_url, args.settle))
-        print("  " + ", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items()), flush=True)
+        print("  " + ", ".join(f"{k} {cell(v)}" for k, v in rows[-1].items()), flush=True)
     knee = next(
         (r["connections"] for r in rows
          if r["ingest_p99_ms"] is None or r["ingest_p99_ms"] > P99_GOAL_S * 1000
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(" ".join(f"{c:>14}" for c in columns))
     for row in rows:
-        print(" ".join(f"{_cell(row[c]):>14}" for c in columns))
+        print(" ".join(f"{cell(row[c]):>14}" for c in columns))
     print(
         f"goals: ingest p99 < {P99_GOAL_S * 1000:g} ms, kill ≤ {KILL_GOAL_S:g} s p99, "
         f"hang ≤ {HANG_GOAL_S:g} s (deadline here {liveness_deadline():g} s); "
@@ -583,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A table's cell: three significant digits, '-' for none."""
     if value is None:
         return "-"
     return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -42,7 +42,7 @@ from typing import Any
 import psycopg
 
 from benchmarks import heartbeat_load, netns, sweep_workers
-from benchmarks.heartbeat_load import Servers, free_port, stop, wait_for
+from benchmarks.heartbeat_load import Servers, cell, free_port, stop, wait_for
 from benchmarks.results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def heartbeats(
         print(
             "  "
             + ", ".join(
-                f"{k} {_cell(v)}"
+                f"{k} {cell(v)}"
                 for k, v in row.items()
                 if k not in ("kill_each_s", "ingest_p99_each_s_ms")
             )
@@ -283,7 +283,7 @@ def report(beats: list[dict[str, Any]], swept: list[dict[str, Any]], same: bool)
     print("\nheartbeats, behind nginx")
     print(" ".join(f"{c:>14}" for c in columns))
     for row in beats:
-        print(" ".join(f"{_cell(row[c]):>14}" for c in columns))
+        print(" ".join(f"{cell(row[c]):>14}" for c in columns))
     for row in beats:
         each = ", ".join(f"{c:.0f} %" for c in row["server_cpu_each_pct"])
         print(f"  {row['servers']} server(s): CPU of each {each}")
@@ -294,12 +294,6 @@ def report(beats: list[dict[str, Any]], swept: list[dict[str, Any]], same: bool)
             f"{row['speedup']:>7.2f}×"
         )
     print(f"identical summaries on 1 and 2 workers: {same}")
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":
