@@ -185,7 +185,7 @@ async def test_a_server_whose_redis_connections_are_all_taken_still_says_it_is_b
     pool, writer = liveness.shared()
     await redis.zrem(liveness.BEHIND_KEY, writer.name)
     never = f"{liveness.PREFIX}:test:never-pushed"
-    taken = [asyncio.ensure_future(pool.blpop([never], timeout=5)) for _ in range(liveness.POOL_SIZE)]
+    taken = [asyncio.ensure_future(pool.blpop([never], 5)) for _ in range(liveness.POOL_SIZE)]
     await asyncio.sleep(0.3)  # each holds a connection of the pool for 5 s
     time.sleep(detector.deadline_s() * liveness.LOOP_BEHIND_DEADLINES + liveness.LOOP_PERIOD_S)
     began, said = time.monotonic(), None
