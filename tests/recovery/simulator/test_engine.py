@@ -196,16 +196,20 @@ def test_lost_work_is_what_a_rolled_back_job_redoes(
 
 @given(
     seed=st.integers(0, 10_000),
-    keep=st.lists(st.booleans(), min_size=40, max_size=40),
+    kept=st.integers(0, 40),
     policy=st.sampled_from(["checkpoint", "flashrecovery"]),
 )
 @settings(max_examples=30, deadline=None)
-def test_more_failures_never_train_more(seed: int, keep: list[bool], policy: str) -> None:
+def test_more_failures_never_train_more(seed: int, kept: int, policy: str) -> None:
+    # the trace's first ``kept`` failures against all of them: the runs are the same up to the
+    # first failure dropped, and from there one trains on while the other is hit again. Dropping
+    # failures anywhere is no such order: a failure during another's restart loses nothing more,
+    # so without the earlier one it can cost more (seed 404 found one: 445 samples against 463)
     state = small_state(spares=8, assumptions=Assumptions(detection_s=5, checkpoint_load_s=10))
     horizon = 8 * HOUR
     spec = TraceSpec(failure_rate_per_device_hour=0.3)
     full = generate(spec, state.cluster, horizon, seed)
-    fewer = Trace(tuple(f for f, k in zip(full.failures, keep, strict=False) if k))
+    fewer = Trace(full.failures[:kept])
     assert simulate(state, policy, fewer, horizon).samples >= simulate(
         state, policy, full, horizon
     ).samples * (1 - 1e-12)
