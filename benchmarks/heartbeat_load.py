@@ -294,13 +294,13 @@ def one_server(env: dict[str, str], logs: Path) -> Iterator[tuple[str, list[int]
         stop([server])
 
 
-def stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM, 20 s to exit, then SIGKILL."""
+def stop(processes: list[subprocess.Popen[bytes]], wait_s: float = 20) -> None:
+    """SIGTERM, ``wait_s`` to exit, then SIGKILL."""
     for process in processes:
         process.send_signal(signal.SIGTERM)
     for process in processes:
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             process.kill()
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.heartbeat_load import stop
 from benchmarks.results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,19 +88,9 @@ def start_workers(
     deadline = time.monotonic() + 60
     while len(app.control.ping(timeout=0.5) or []) < count:
         if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
-            stop(workers)
+            stop(workers, wait_s=30)  # a warm shutdown ends the piece in hand
             raise SystemExit(f"the workers did not start; see {logs}")
     return workers
-
-
-def stop(workers: list[subprocess.Popen[bytes]]) -> None:
-    for worker in workers:
-        worker.terminate()
-    for worker in workers:
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
 
 
 def timed_sweep(experiment: dict[str, Any], label: str) -> tuple[float, dict[str, Any], Any]:
@@ -143,7 +134,7 @@ def compare(
         try:
             seconds, summary, seen = timed_sweep(experiment, f"{count} worker(s)")
         finally:
-            stop(workers)
+            stop(workers, wait_s=30)  # a warm shutdown ends the piece in hand
         summaries.append(summary)
         rows.append({"workers": count, "seconds": seconds, "workers_seen": len(seen)})
     for row in rows:
