@@ -25,7 +25,9 @@ def no_watch_left_from_earlier_tests(request: pytest.FixtureRequest) -> Iterator
 
         with contextlib.suppress(RedisError, OSError):
             redis = liveness.sync_client()
-            stale = [liveness.JOBS_KEY, *redis.scan_iter(f"{liveness.PREFIX}:job:*", count=1000)]
+            # and the word of servers an earlier test's event loops ran, stopped with them
+            stale = [liveness.JOBS_KEY, liveness.SERVERS_KEY, liveness.BEHIND_KEY]
+            stale += redis.scan_iter(f"{liveness.PREFIX}:job:*", count=1000)
             redis.delete(*stale)
     yield
 

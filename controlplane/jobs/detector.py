@@ -164,9 +164,10 @@ STALL_MIN_WATCHED = 2  # this many nodes heard within the hold window, none with
 # the nodes are judged again (a control plane stalled that long has lost its agents anyway).
 STALL_HOLD_DEADLINES = 4.0
 STALLS_KEY = f"{liveness.PREFIX}:detector:stalls"  # held-off passes by reason, for /metrics
-# ``ingest_behind`` (a server process's event loop fell behind: ``liveness.watch_loop``) holds
-# off only the short silences: the pass judges nodes silent longer than the deadline and
-# ``STALL_HOLD_DEADLINES`` more, so a server that stays behind delays detection, never blinds it.
+# ``ingest_behind`` (a server process's event loop fell behind, as it said or as its silence
+# says: ``liveness.watch_loop``, ``liveness.SERVERS_KEY``) holds off only the short silences: the
+# pass judges nodes silent longer than the deadline and ``STALL_HOLD_DEADLINES`` more, so a server
+# that stays behind delays detection, never blinds it.
 STALL_REASONS = ("detector_lag", "redis_slow", "none_heard", "ingest_behind")
 _last_pass_s: float | None = None  # this process's previous pass (monotonic clock)
 
@@ -180,6 +181,7 @@ class View:
     newest_age_s: float | None  # the newest heartbeat of any watched node (None: none watched)
     recent: int  # watched nodes heard within the deadline and the hold window after it
     behind: int = 0  # server processes whose event loop fell behind within the last deadline
+    quiet: int = 0  # server processes not heard on time for ``liveness.quiet_s()`` (blocked)
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,11 @@ def stall(view: View, deadline_s: float) -> Stall | None:
     age = view.newest_age_s
     if age is not None and age > deadline_s and view.recent >= STALL_MIN_WATCHED:
         return Stall("none_heard", f"none of {view.recent} watched nodes heard for {age:.2f} s")
-    if view.behind:
-        return Stall("ingest_behind", f"{view.behind} server(s) behind on heartbeats")
+    if view.behind or view.quiet:
+        return Stall(
+            "ingest_behind",
+            f"{view.behind} server(s) behind on heartbeats, {view.quiet} not heard on time",
+        )
     return None
 
 
@@ -207,12 +212,17 @@ async def _view(redis: aioredis.Redis, now_s: float, gap_s: float) -> View:
     window_s = deadline_s() * (1 + STALL_HOLD_DEADLINES)
     started = time.monotonic()
     jobs = list(await redis.smembers(liveness.JOBS_KEY))
+    # servers are heard on the real clock, whatever time the pass judges (tests give one)
+    real_s = time.time()
     async with redis.pipeline(transaction=False) as pipe:
         pipe.zcount(liveness.BEHIND_KEY, now_s, "+inf")
+        # a server silent longer than the hold window stopped: it holds nothing off any more
+        pipe.zremrangebyscore(liveness.SERVERS_KEY, "-inf", f"({real_s - window_s}")
+        pipe.zcount(liveness.SERVERS_KEY, "-inf", f"({real_s - liveness.quiet_s()}")
         for job in jobs:
             pipe.zrevrange(liveness.seen_key(int(job)), 0, 0, withscores=True)
             pipe.zcount(liveness.seen_key(int(job)), now_s - window_s, "+inf")
-        behind, *found = await pipe.execute()
+        behind, _, quiet, *found = await pipe.execute()
     rtt_s = time.monotonic() - started
     newest = [float(pair[0][1]) for pair in found[0::2] if pair]
     return View(
@@ -221,6 +231,7 @@ async def _view(redis: aioredis.Redis, now_s: float, gap_s: float) -> View:
         newest_age_s=now_s - max(newest) if newest else None,
         recent=sum(int(n) for n in found[1::2]),
         behind=int(behind),
+        quiet=int(quiet),
     )
 
 

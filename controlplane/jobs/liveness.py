@@ -66,6 +66,12 @@ LINGER_S = 0.002
 BEHIND_KEY = f"{PREFIX}:ingest:behind"
 LOOP_BEHIND_DEADLINES = 0.25
 LOOP_PERIOD_S = 0.25  # how often a server process looks at its own event loop
+# Server processes by when their event loop last found itself on time (server clock), said every
+# ``LOOP_PERIOD_S``. A process whose loop is blocked, or whose Redis connections are held, cannot
+# say it is behind; its silence says it instead: the detector counts a process behind once its
+# word is ``quiet_s()`` old, until it is older than the detector's hold window (a process that
+# stopped, whose word the detector then removes).
+SERVERS_KEY = f"{PREFIX}:ingest:servers"
 
 
 # A client's connections: at most this many at once, and a command that finds them all in use
@@ -78,6 +84,12 @@ POOL_WAIT_S = 10.0
 def deadline_s() -> float:
     """How long a node may be silent: ``MISSED_BEATS`` heartbeat intervals."""
     return HEARTBEAT_INTERVAL_S * MISSED_BEATS
+
+
+def quiet_s() -> float:
+    """How old a server process's last word may be before the detector counts it behind: the
+    lateness ``watch_loop`` would say, and one period more for the word to come."""
+    return LOOP_BEHIND_DEADLINES * deadline_s() + LOOP_PERIOD_S
 
 
 def client(size: int = POOL_SIZE) -> aioredis.Redis:
@@ -257,18 +269,26 @@ async def watch_loop(redis: aioredis.Redis, name: str, writer: Writer | None = N
     deadlines (a burst of hellos, a long garbage collection, writes that Redis answers late),
     the process is in ``BEHIND_KEY`` for a deadline from now. Said while the beats still wait,
     on a connection other than the writer's, so that the detector hears it before their nodes
-    look silent; the writer says it again with the late beats (``Writer._write``)."""
+    look silent; the writer says it again with the late beats (``Writer._write``). On time, it
+    says that instead (``SERVERS_KEY``), so that a loop too blocked to say anything is heard too."""
     loop = asyncio.get_running_loop()
     deadline = deadline_s()
-    while True:
-        started = loop.time()
-        await asyncio.sleep(LOOP_PERIOD_S)
-        late = loop.time() - started - LOOP_PERIOD_S
-        held = 0.0 if writer is None else writer.held_s()
-        if max(late, held) > LOOP_BEHIND_DEADLINES * deadline:
-            log.warning("ingest.behind", late_s=round(late, 3), held_s=round(held, 3))
+    try:
+        while True:
+            started = loop.time()
+            await asyncio.sleep(LOOP_PERIOD_S)
+            late = loop.time() - started - LOOP_PERIOD_S
+            held = 0.0 if writer is None else writer.held_s()
             with contextlib.suppress(RedisError):
-                await redis.zadd(BEHIND_KEY, {name: time.time() + deadline})
+                if max(late, held) > LOOP_BEHIND_DEADLINES * deadline:
+                    log.warning("ingest.behind", late_s=round(late, 3), held_s=round(held, 3))
+                    await redis.zadd(BEHIND_KEY, {name: time.time() + deadline})
+                else:  # on time: the word whose absence the detector reads (``SERVERS_KEY``)
+                    await redis.zadd(SERVERS_KEY, {name: time.time()})
+    finally:
+        # a loop that ends says so: its silence would hold the detector off for a hold window
+        with contextlib.suppress(RedisError, OSError, asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(redis.zrem(SERVERS_KEY, name), LOOP_PERIOD_S)
 
 
 def lag_histogram(redis: Any) -> tuple[list[tuple[str, int]], float]:

@@ -201,6 +201,106 @@ async def test_a_server_whose_redis_connections_are_all_taken_still_says_it_is_b
     assert said is not None, "not said behind while the pool's connections were taken"
 
 
+class Freezable:
+    """A TCP relay to the control plane's Redis that stops relaying while frozen: the
+    connections of a server process whose loop is blocked, or held by a burst, as the rest of
+    the control plane sees them (nothing said, nothing refused)."""
+
+    def __init__(self) -> None:
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+        self.upstream = liveness.client().connection_pool.connection_kwargs
+        self.server: asyncio.Server | None = None
+
+    async def client(self) -> aioredis.Redis:
+        """A client of the control plane's Redis (its database, its credentials) through the
+        relay."""
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        pool = aioredis.ConnectionPool(**{**self.upstream, "host": "127.0.0.1", "port": port})
+        return aioredis.Redis(connection_pool=pool)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up = await asyncio.open_connection(self.upstream["host"], self.upstream["port"])
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                await self.thawed.wait()
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up[1]), pipe(up[0], writer))
+
+    def freeze(self) -> None:
+        self.thawed.clear()
+
+    def thaw(self) -> None:
+        self.thawed.set()
+
+
+@pytest.mark.asyncio
+async def test_a_server_too_blocked_to_say_so_is_behind_by_its_silence(redis: Any) -> None:
+    """A server process whose every connection is held (or whose loop is blocked) says nothing,
+    not even that it is behind: its nodes' beats stop with its word that it is on time, and the
+    detector, reading that silence, judges only the long silences. Waiting for its word, the
+    detector failed live nodes whenever thousands of agents joined at once."""
+    job, sockets, _ = await all_joined(redis)
+    relay = Freezable()
+    watcher = asyncio.create_task(liveness.watch_loop(await relay.client(), "blocked-server"))
+    for _ in range(100):
+        if await redis.zscore(liveness.SERVERS_KEY, "blocked-server") is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert await redis.zscore(liveness.SERVERS_KEY, "blocked-server") is not None
+    # node-1 silent just past the deadline (as every node of the blocked server would be soon)
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": time.time() - detector.deadline_s() - 1})
+    relay.freeze()
+    await asyncio.sleep(liveness.quiet_s() + 2 * liveness.LOOP_PERIOD_S)
+    before = await stalls(redis, "ingest_behind")
+    assert await redis.zscore(liveness.BEHIND_KEY, "blocked-server") is None  # it said nothing
+    detector._last_pass_s = None  # this detector on time: its previous pass was another test's
+    assert await detector.sweep(redis) == []
+    assert await failures(job) == []
+    assert await stalls(redis, "ingest_behind") == before + 1
+    # not blinded: a silence past the hold window is judged while the server stays quiet
+    window_s = detector.deadline_s() * (1 + detector.STALL_HOLD_DEADLINES)
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": time.time() - window_s - 1})
+    assert len(await detector.sweep(redis)) == 1
+    relay.thaw()  # on time again: its word comes, and the detector judges at the deadline
+    await redis.zadd(liveness.seen_key(job.pk), {"node-2": time.time() - detector.deadline_s() - 1})
+    await asyncio.sleep(2 * liveness.LOOP_PERIOD_S)
+    assert len(await detector.sweep(redis)) == 1
+    assert sorted(d for f in await failures(job) for d in f.devices) == sorted(
+        NODES["node-1"] + NODES["node-2"]
+    )
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert await redis.zscore(liveness.SERVERS_KEY, "blocked-server") is None  # it said goodbye
+    for node in ("node-0", "node-3"):
+        await goodbye(sockets[node])
+    for node in ("node-1", "node-2"):
+        await sockets[node].disconnect()
+
+
+@pytest.mark.asyncio
+async def test_a_server_silent_past_the_hold_window_stopped_and_holds_nothing(
+    redis: Any,
+) -> None:
+    """A server process that stopped without its goodbye (killed) is quiet for a hold window at
+    most: after it, its word is removed and the detector judges at the deadline again."""
+    job, sockets, newest = await all_joined(redis)
+    window_s = detector.deadline_s() * (1 + detector.STALL_HOLD_DEADLINES)
+    await redis.zadd(liveness.SERVERS_KEY, {"killed-server": time.time() - window_s - 1})
+    now = newest + 0.5
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": now - detector.deadline_s() - 1})
+    assert len(await detector.sweep(redis, now_s=now)) == 1
+    assert await redis.zscore(liveness.SERVERS_KEY, "killed-server") is None
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
 DEADLINE_S = 3.0
 
 
@@ -210,17 +310,20 @@ DEADLINE_S = 3.0
     age=st.none() | st.floats(0, 100),
     recent=st.integers(0, 10_000),
     behind=st.integers(0, 3),
+    quiet=st.integers(0, 3),
 )
 def test_a_pass_is_held_off_exactly_when_a_sign_of_our_own_stall_shows(
-    gap: float, rtt: float, age: float | None, recent: int, behind: int
+    gap: float, rtt: float, age: float | None, recent: int, behind: int, quiet: int
 ) -> None:
-    view = detector.View(gap_s=gap, rtt_s=rtt, newest_age_s=age, recent=recent, behind=behind)
+    view = detector.View(
+        gap_s=gap, rtt_s=rtt, newest_age_s=age, recent=recent, behind=behind, quiet=quiet
+    )
     held = detector.stall(view, DEADLINE_S)
     signs = [
         gap > DEADLINE_S * detector.STALL_GAP_DEADLINES,
         rtt > DEADLINE_S * detector.STALL_RTT_DEADLINES,
         age is not None and age > DEADLINE_S and recent >= detector.STALL_MIN_WATCHED,
-        behind > 0,
+        behind > 0 or quiet > 0,
     ]
     assert (held is not None) == any(signs)
     if held is not None:
