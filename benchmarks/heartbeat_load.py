@@ -123,6 +123,7 @@ async def agent(
     hello = {"type": "hello", "job": job, "node": f"node-{node}", "token": token}
     ws = await _welcomed(url, json.dumps({**hello, "devices": devices}), plan, out)
     if ws is None:
+        out["unwelcomed"].append(node)  # never joined: the detector rightly fails it
         return
     reader = asyncio.create_task(_drain(ws))
     await asyncio.sleep(random.uniform(0, 1))  # a random phase
@@ -164,9 +165,10 @@ async def agent(
 
 async def _welcomed(url: str, hello: str, plan: dict[str, Any], out: dict[str, Any]) -> Any:
     """The socket once the server welcomed the agent, or None. A socket closed before the
-    welcome (the server busy with other hellos: ``CloseCode.BUSY``) is opened again after a
-    random backoff of 0.5 to 2 s, as the agent does, until the window starts; the time to the
-    welcome counts from the first attempt."""
+    welcome (the server busy with other hellos: ``CloseCode.BUSY``), or one that could not be
+    opened (``connect_retries``, by error), is opened again after a random backoff of 0.5 to
+    2 s, as the agent does, until the window starts; the time to the welcome counts from the
+    first attempt."""
     import websockets
 
     opening = time.time()
@@ -179,8 +181,10 @@ async def _welcomed(url: str, hello: str, plan: dict[str, Any], out: dict[str, A
             out["refused"][str(closed.rcvd.code if closed.rcvd else None)] += 1
             await asyncio.sleep(random.uniform(0.5, 2.0))
             continue
-        except (OSError, TimeoutError, websockets.WebSocketException):
-            break
+        except (OSError, TimeoutError, websockets.WebSocketException) as exc:
+            out["connect_retries"][type(exc).__name__] += 1
+            await asyncio.sleep(random.uniform(0.5, 2.0))
+            continue
         if welcome.get("type") != "welcome":
             break
         out["welcome_s"].append(time.time() - opening)
@@ -209,7 +213,8 @@ def load(
     if cpu is not None:
         pin(cpu)
     out: dict[str, Any] = {"connect_errors": 0, "send_errors": 0, "sent_in_window": 0,
-                           "kills": {}, "hangs": {}, "welcome_s": [],
+                           "kills": {}, "hangs": {}, "welcome_s": [], "unwelcomed": [],
+                           "connect_retries": collections.Counter(),
                            "refused": collections.Counter(),
                            "closed": collections.Counter()}  # fmt: skip
 
@@ -415,7 +420,13 @@ def _run_load(
     for proc in procs:
         proc.join(timeout=30)
     time.sleep(liveness_deadline() + 1.5)  # the hangs' deadline, and a sweep
-    detected = _detections(env)
+    failures = _failures(env)
+    unwelcomed = {int(n_) for o in outs for n_ in o["unwelcomed"]}
+    detected = {node: at for node, (at, _) in failures.items()}
+    # failed once the agents had stopped (a goodbye lost as the load ended): not while they beat
+    after_end = {n_ for n_, at in detected.items() if at > end + liveness_deadline()}
+    # welcomed after the join deadline, which had failed them: the deadline is too short
+    late = {n_ for n_, (_, kind) in failures.items() if kind == "never_joined"} - unwelcomed
     window_buckets = _minus(after[0], before[0])
     sent = sum(o["sent_in_window"] for o in outs)
     ingested = after[2] - before[2]
@@ -443,6 +454,7 @@ def _run_load(
         "welcome_p50_s": _quantile(welcomes, 0.5),
         "welcome_max_s": welcomes[-1] if welcomes else None,
         "connect_errors": sum(o["connect_errors"] for o in outs),
+        "connect_retries": dict(sum((o["connect_retries"] for o in outs), collections.Counter())),
         "hellos_refused": dict(sum((o["refused"] for o in outs), collections.Counter())),
         "closed_by_server": dict(sum((o["closed"] for o in outs), collections.Counter())),
         "send_errors": sum(o["send_errors"] for o in outs),
@@ -454,8 +466,13 @@ def _run_load(
         "kill_each_s": kill_order,
         "ingest_p99_each_s_ms": [None if v is None else v * 1000 for v in p99_each_s],
         "window_opens_at": opened_at,
-        # nodes the detector failed that were neither killed nor hung: false failures
-        "false_failures": len(set(detected) - set(killed) - set(hung)),
+        # nodes the detector failed that were neither killed nor hung, nor never welcomed (the
+        # join deadline fails those, rightly): false failures
+        "false_failures": len(
+            set(detected) - set(killed) - set(hung) - unwelcomed - after_end - late
+        ),
+        "never_joined_welcomed_later": len(late),
+        "failed_after_end": len(after_end - set(killed) - set(hung)),
         "hangs": len(hung),
         "hangs_detected": len(hang_s),
         "hang_max_s": max(hang_s) if hang_s else None,
@@ -494,22 +511,23 @@ def wait_for(address: str, port: int, server: subprocess.Popen[bytes]) -> None:
     raise SystemExit("the server did not start within 60 s")
 
 
-def _detections(env: dict[str, str]) -> dict[int, float]:
-    """Each node's first failure on the timeline (its devices' node), as Unix seconds."""
+def _failures(env: dict[str, str]) -> dict[int, tuple[float, str]]:
+    """Each node's first failure on the timeline (its devices' node): Unix seconds, kind."""
     script = (
         "import json\n"
         "from controlplane.incidents.models import TimelineEvent\n"
         "out = {}\n"
         "for e in TimelineEvent.objects.filter(kind='failure_detected').order_by('at'):\n"
         f"    for d in e.payload.get('devices', []): out.setdefault(d // {DEVICES_PER_NODE},"
-        " e.at.timestamp())\n"
+        " (e.at.timestamp(), e.payload.get('failure_kind')))\n"
         "print(json.dumps(out))\n"
     )
     found = subprocess.run(
         [sys.executable, "manage.py", "shell", "-c", script],
         env=env, cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return {int(k): v for k, v in json.loads(found.stdout.strip().splitlines()[-1]).items()}
+    found_ = json.loads(found.stdout.strip().splitlines()[-1])
+    return {int(k): (at, kind) for k, (at, kind) in found_.items()}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
