@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "benchmarks" / "results" / "recovery_scale-logs"
 GOAL_S, P99_GOAL_S = 3.0, 0.1
 BURST_GAP_S = 0.02
+API_PATIENCE_S = 120.0  # how long a read of the API is asked again before the run gives up
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 # every command of the job's decisions: how many, acknowledged, sent more than once
@@ -122,10 +123,15 @@ class Stack:
 
     lost = 0  # nodes killed so far
 
+    def read(self, path: str) -> Any:
+        """``path`` of the API, asked again while the server, busy with a recovery, answers
+        later than the client waits (``wait_for``)."""
+        return wait_for(
+            lambda: self.plane.api(path), f"an answer to {path}", API_PATIENCE_S, self.processes
+        )
+
     def decisions(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = self.plane.api(f"/api/v1/recoveries/?job={self.job}")[
-            "results"
-        ]
+        found: list[dict[str, Any]] = self.read(f"/api/v1/recoveries/?job={self.job}")["results"]
         return found
 
     def commands(self) -> dict[str, Any]:
@@ -184,7 +190,7 @@ def one_round(stack: Stack, victims: list[str], timeout: float) -> dict[str, Any
     }
     if decision["id"] is None:
         return row
-    timeline = stack.plane.api(f"/api/v1/recoveries/{decision['id']}/timeline/")
+    timeline = stack.read(f"/api/v1/recoveries/{decision['id']}/timeline/")
     phases = {p["phase"]: p for p in timeline["phases"]}
     if decision.get("chosen") is not None:
         row["policy"] = decision["candidates"][decision["chosen"]]["policy"]
