@@ -466,8 +466,8 @@ def _run_load(
         "kill_each_s": kill_order,
         "ingest_p99_each_s_ms": [None if v is None else v * 1000 for v in p99_each_s],
         "window_opens_at": opened_at,
-        # nodes the detector failed that were neither killed nor hung, nor never welcomed (the
-        # join deadline fails those, rightly): false failures
+        # nodes the detector failed while they beat: not killed, not hung, welcomed before the
+        # join deadline (which rightly fails the others), failed before the load stopped
         "false_failures": len(
             set(detected) - set(killed) - set(hung) - unwelcomed - after_end - late
         ),
@@ -526,8 +526,8 @@ def _failures(env: dict[str, str]) -> dict[int, tuple[float, str]]:
         [sys.executable, "manage.py", "shell", "-c", script],
         env=env, cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
-    found_ = json.loads(found.stdout.strip().splitlines()[-1])
-    return {int(k): (at, kind) for k, (at, kind) in found_.items()}
+    parsed = json.loads(found.stdout.strip().splitlines()[-1])
+    return {int(k): (at, kind) for k, (at, kind) in parsed.items()}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
