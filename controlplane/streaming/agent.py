@@ -4,7 +4,9 @@ Every frame is parsed by the protocol module; a frame it refuses gets an ``error
 stable code, and the socket closes only for the fatal codes. After ``hello`` (checked against the
 job's agent token, node and devices) heartbeats go to Redis, never the database; a ``fault``
 frame and a socket that closes without ``goodbye`` are recorded as failures at once, and
-planning is handed to Celery after the commit. Nothing one agent sends reaches another job.
+planning is handed to Celery after the commit (a socket closed before its agent spoke after
+its welcome is left to the heartbeat deadline: most likely the agent gave up on a server busy
+with thousands of hellos, and says hello again). Nothing one agent sends reaches another job.
 
 Commands reach the socket through the process's ``hub`` (no channel layer: see there). The
 consumer sends its node's unfinished commands again at ``hello``, records acknowledgements,
@@ -450,6 +452,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
     last_heard_s: float | None = None
     last_step: int | None = None  # the step of its latest heartbeat
     leaving = False  # goodbye received, or replaced: the close is not a failure
+    # the agent spoke after its welcome, so it has it: the node is this socket's to lose (a
+    # welcome sent after the agent closed is dropped unseen, and nothing here can tell)
+    confirmed = False
     closing = False  # the server closed the socket (or found it gone): frames are dropped now
     released = False
     raw = "{}"  # the latest heartbeat, as stored
@@ -559,6 +564,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         if self.session is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"{frame.type} before hello")
+        self.confirmed = True
         if isinstance(frame, protocol.Goodbye):
             self.leaving = True
             await in_thread(_goodbye)(self.session)
@@ -743,6 +749,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         hub.hub().leave(session.job_id, session.node, self.id)
         if self.leaving:
+            return
+        if not self.confirmed:
+            # closed before a word after its welcome: most likely an agent that waited too long
+            # for a server busy with thousands of hellos, and will say hello again. Not a loss:
+            # watched from now, the node is failed at the deadline unless heard again by then
+            log.info("agent.closed_unconfirmed", job=session.job_id, node=session.node)
+            now = time.time()
+            self.writer.beat(session.job_id, session.node, now, self.raw, now, self.last_step)
             return
         self.writer.forget(session.job_id, session.node)
         try:

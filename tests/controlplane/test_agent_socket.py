@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from controlplane.incidents.models import DecisionStatus, Failure, RecoveryDecis
 from controlplane.jobs import detector, liveness
 from controlplane.jobs.models import AgentToken, Job, JobStatus, Node, NodeStatus
 from controlplane.jobs.services import create_job, issue_agent_token
+from controlplane.streaming import agent as agent_socket
 from controlplane.streaming import hub
 from worker_agent import protocol
 
@@ -225,6 +227,59 @@ async def test_a_socket_closed_without_goodbye_fails_the_whole_node() -> None:
     assert node.status == NodeStatus.FAILED
 
 
+@pytest.mark.parametrize("comes_back", [False, True])
+async def test_a_socket_closed_between_hello_and_welcome_is_left_to_the_deadline(
+    monkeypatch: pytest.MonkeyPatch, comes_back: bool
+) -> None:
+    """An agent that stops waiting for a server busy with thousands of hellos closes before
+    its welcome (sent after the close, and lost), and says hello again: no failure at once
+    (hundreds of those made a 2,048-node job's start a recovery); the deadline fails its node
+    unless it is heard again by then."""
+    job, token = await new_job()
+    held, real = threading.Event(), agent_socket._hello
+
+    def busy_hello(frame: protocol.Hello) -> Any:
+        held.wait(10)  # the server's hello, queued behind thousands of others
+        return real(frame)
+
+    monkeypatch.setattr(agent_socket, "_hello", busy_hello)
+    gone = await connect()
+    await gone.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
+    await asyncio.sleep(0.1)  # the hello is being answered
+    await gone.send_input({"type": "websocket.disconnect", "code": 1011})  # the agent gave up
+    closed_s = time.time()
+    held.set()
+    await gone.wait(timeout=10)
+    assert await database_sync_to_async(Failure.objects.count)() == 0
+    node = await database_sync_to_async(Node.objects.get)(job=job, name="node-1")
+    assert node.status == NodeStatus.HEALTHY  # its hello was answered: joined, not failed
+    redis = liveness.client()
+    try:
+        heard = (await liveness.latest(redis, job.pk, "node-1") or {})["at"]
+        assert closed_s <= heard <= time.time()  # watched from the close
+        if comes_back:
+            again = await connect()
+            await again.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
+            assert (await said(again))["type"] == "welcome"
+            await again.send_to(heartbeat(1, step=3, device=4))
+            await beaten(job, 3, node="node-1")
+        deadline = detector.deadline_s()
+        assert await detector.sweep(redis, now_s=heard + deadline * 0.9) == []
+        decided = await detector.sweep(redis, now_s=heard + deadline + 0.01)
+    finally:
+        await redis.aclose()
+    if comes_back:
+        assert decided == []
+        assert await database_sync_to_async(Failure.objects.count)() == 0
+        await again.send_to(protocol.encode(protocol.Goodbye()))
+        assert await closed_with(again) == 1000
+        await again.disconnect()
+    else:
+        assert len(decided) == 1
+        failure = await failure_of(job)
+        assert (failure.source, failure.devices) == ("heartbeat", [4, 5, 6, 7])
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
@@ -365,6 +420,8 @@ async def test_a_step_out_of_range_is_refused_and_another_nodes_failure_is_still
     second = await connect()
     await second.send_to(hello(job, token, node="node-1", devices=[4, 5, 6, 7]))
     await said(second)
+    await second.send_to(heartbeat(1, step=5, device=4))
+    await beaten(job, 5, node="node-1")
     await second.disconnect(code=1006)
     failure = await failure_of(job)
     assert (failure.devices, failure.step) == ([4, 5, 6, 7], protocol.MAX_STEP)
