@@ -38,6 +38,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -73,14 +74,28 @@ PROFILE_INTERVAL_S = 5.0
 T = TypeVar("T")
 
 
-def in_thread(func: Callable[..., T]) -> Callable[..., Awaitable[T]]:
-    """``func`` run in a worker thread with fresh database connections. Not Channels' default
-    single thread: with thousands of agents connecting at once, their hellos' queries would
-    queue behind each other there, and each socket's heartbeats behind its hello."""
+# Hellos' threads, apart from every other call's (the event loop's default executor): when
+# thousands of agents say hello at once, each hello's second call (``_revoked``) queued behind
+# every first one, and no agent was welcomed until nearly all hellos had been read (a 2,048-node
+# start welcomed its first agent after 35 s, and agents gave up waiting); acknowledgements,
+# losses and plans queued behind them too.
+HELLO_THREADS = 4
+_hello_threads = ThreadPoolExecutor(HELLO_THREADS, thread_name_prefix="hello")
+
+
+def in_thread(
+    func: Callable[..., T], executor: ThreadPoolExecutor | None = None
+) -> Callable[..., Awaitable[T]]:
+    """``func`` run in a worker thread with fresh database connections, of ``executor`` (None:
+    the event loop's default). Not Channels' default single thread: with thousands of agents
+    connecting at once, their hellos' queries would queue behind each other there, and each
+    socket's heartbeats behind its hello."""
     # an in-memory SQLite database (the test suite's) is one connection shared by every thread,
     # whose table locks wait for nobody: there, one thread it is
     shared = connection.vendor == "sqlite" and connection.is_in_memory_db()  # type: ignore[attr-defined]
-    return database_sync_to_async(func, thread_sensitive=shared)  # type: ignore[no-any-return]
+    if shared:
+        return database_sync_to_async(func)  # type: ignore[no-any-return]
+    return database_sync_to_async(func, thread_sensitive=False, executor=executor)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -135,10 +150,30 @@ def _refuse_if_revoked(session: Session) -> None:
         raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
 
 
-def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished], bool]:
+def _revoked_each(token_ids: list[int]) -> list[bool]:
+    """``_revoked`` of each token, in one query (``batches("revoked")``)."""
+    live = set(
+        AgentToken.objects.filter(pk__in=token_ids, revoked_at__isnull=True).values_list(
+            "pk", flat=True
+        )
+    )
+    return [token_id not in live for token_id in token_ids]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What a hello opens."""
+
+    session: Session
+    unfinished: list[applying.Unfinished]  # sent again: see ``_hello``
+    came_back: bool  # the node comes back from failed (``lifecycle.joined``)
+    first: bool  # the node's first hello: no older connection of it to replace
+
+
+def _hello(frame: protocol.Hello) -> Opened:
     """The session a hello opens, the node's unfinished commands (sent again while the agent
-    was away, or not acknowledged before it left) and whether the node comes back from failed
-    (``lifecycle.joined``), or a fatal ``ProtocolError``."""
+    was away, or not acknowledged before it left), whether the node comes back from failed
+    and whether it never said hello before; or a fatal ``ProtocolError``."""
     if frame.version != protocol.VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
@@ -175,7 +210,8 @@ def _hello(frame: protocol.Hello) -> tuple[Session, list[applying.Unfinished], b
     # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
     came_back = lifecycle.joined(job_id=job.pk, node_id=node_id, node_status=status)
     session = Session(job.pk, job.name, node_id, frame.node, frozenset(owned), token.pk)
-    return session, applying.unfinished(node_id), came_back
+    first = status == NodeStatus.EXPECTED
+    return Opened(session, applying.unfinished(node_id), came_back, first)
 
 
 def _fault(session: Session, frame: protocol.Fault) -> int:
@@ -377,11 +413,13 @@ _RECORDERS: dict[str, Callable[[list[Any]], list[Any]]] = {
     "losses": _record_losses,
     "acks": _record_acks,
     "progress": applying.progress_each,
+    "revoked": _revoked_each,
 }
 
 
 def batches(kind: str) -> Batches[Any, Any]:
-    """The running event loop's ``Batches`` of ``kind``: losses, acks or progress."""
+    """The running event loop's ``Batches`` of ``kind``: losses, acks, progress, or revoked
+    (the tokens hellos look at once more)."""
     mine = _batches.setdefault(asyncio.get_running_loop(), {})
     found = mine.get(kind)
     if found is None:
@@ -689,14 +727,18 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.tell(json.dumps(frame, separators=(",", ":")))
 
     async def open(self, frame: protocol.Hello) -> None:
-        session, unfinished, came_back = await in_thread(_hello)(frame)
-        self.session = session
-        # an older connection of the same node steps aside, in whichever process it is
-        with contextlib.suppress(RedisError):
-            await hub.apublish(self.redis, session.job_id, session.node, {"replaced_by": self.id})
+        opened = await in_thread(_hello, _hello_threads)(frame)
+        session = self.session = opened.session
+        if not opened.first:
+            # an older connection of the same node steps aside, in whichever process it is (a
+            # job's start, thousands of first hellos, spares Redis as many messages)
+            with contextlib.suppress(RedisError):
+                message = {"replaced_by": self.id}
+                await hub.apublish(self.redis, session.job_id, session.node, message)
         await hub.hub().join(session.job_id, session.node, self.id, self.on_hub)
-        # a revocation published before the join was not heard: look once more
-        if await in_thread(_revoked)(session.token_id):
+        # a revocation published before the join was not heard: look once more (the hellos of
+        # a job's start together, in one query)
+        if await batches("revoked").add(session.token_id):
             self.leaving = True  # never welcomed: the node is not this socket's to lose
             raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
         self.last_heard_s = time.time()
@@ -723,12 +765,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
             self.writer.beat(session.job_id, session.node, welcomed_s, "{}", welcomed_s, None)
         log.info("agent.hello", job=session.job_id, node=session.node)
         # what was sent while this agent was away, or not acknowledged before it reconnected
-        for command in unfinished:
+        for command in opened.unfinished:
             if command.acked:
                 self.awaited[command.id] = Awaited(True, command.resumed_step)
             else:
                 await self.command(command.frame)
-        if came_back:  # in a lost node's place: a job waiting for one plans again, with it
+        if opened.came_back:  # in a lost node's place: a job waiting for one plans again, with it
             await in_thread(decisions.node_came_back)(
                 session.job_id, session.node_id, plan=enqueue_planning
             )

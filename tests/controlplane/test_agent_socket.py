@@ -518,6 +518,29 @@ async def test_revoking_a_token_closes_its_sockets_at_once_and_nothing_else() ->
     assert hub.hub().handlers == {}  # every socket gave its handler back
 
 
+async def test_a_revocation_between_the_hellos_check_and_its_join_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Revoked after the hello found the token good, before the socket listens for revocations
+    (its message unheard): the look after the join refuses it, and nothing is lost."""
+    job, token = await new_job()
+    real = agent_socket._hello
+
+    def revoked_meanwhile(frame: protocol.Hello) -> Any:
+        opened = real(frame)
+        AgentToken.objects.filter(job=job).update(revoked_at=timezone.now())
+        return opened
+
+    monkeypatch.setattr(agent_socket, "_hello", revoked_meanwhile)
+    socket = await connect()
+    await socket.send_to(hello(job, token))
+    error = await said(socket)
+    assert (error["type"], error["code"], error["field"]) == ("error", "unauthorised", "token")
+    assert await closed_with(socket) == 4001
+    await socket.disconnect(code=4001)
+    assert await database_sync_to_async(Failure.objects.count)() == 0
+
+
 async def test_a_socket_that_never_says_hello_is_closed_at_the_deadline(
     settings: Any,
 ) -> None:
