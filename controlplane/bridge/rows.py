@@ -82,7 +82,10 @@ def state_of(
     ``parsed``: the scenario as the caller parsed it already (a second parse of a 16,384-device
     scenario is a quarter of a second)."""
     state = (parsed or parse_scenario(scenario)).state
-    current = plan_from_dict(plan, profile=state.profile, cluster=state.cluster)
+    if isinstance(scenario, dict) and plan == scenario.get("plan"):
+        current = state.plan  # until its first recovery, a job runs its scenario's plan
+    else:
+        current = plan_from_dict(plan, profile=state.profile, cluster=state.cluster)
     down = frozenset(failed)
     return replace(
         state, plan=current, failed=down, restartable=frozenset(restartable or ()) & down

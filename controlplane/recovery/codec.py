@@ -186,8 +186,9 @@ def plan_to_dict(plan: ExecutionPlan) -> dict[str, Any]:
 def plan_from_dict(
     data: Any, *, profile: ModelProfile, cluster: Cluster, field: str = "plan"
 ) -> ExecutionPlan:
-    """A plan's structure checked: known devices used once, one TP width, layers covered."""
-    spec = _parse(PlanSpec, data, field)
+    """A plan's structure checked: known devices used once, one TP width, layers covered
+    (``data``: the plan object, or its spec already validated)."""
+    spec = data if isinstance(data, PlanSpec) else _parse(PlanSpec, data, field)
     pipelines = []
     tp: int | None = None
     owner: dict[int, str] = {}
@@ -495,7 +496,8 @@ def state_from_dict(data: Any) -> ClusterState:
     training = Training(
         global_batch=spec.training.global_batch, micro_batch=spec.training.micro_batch
     )
-    plan = plan_from_dict(spec.plan.model_dump(), profile=profile, cluster=cluster)
+    # the spec as validated: dumped and validated again, a 16,384-device plan took 0.3 s more
+    plan = plan_from_dict(spec.plan, profile=profile, cluster=cluster)
     if plan.micro_batches != training.micro_batches:
         raise InvalidScenario(
             f"pipelines run {plan.micro_batches} micro-batches but global_batch/micro_batch is "

@@ -14,6 +14,7 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from controlplane.bridge import rows
 from controlplane.bridge.rows import InvalidScenario
 from controlplane.incidents import decisions
 from controlplane.incidents.decisions import IllegalTransition
@@ -423,3 +424,19 @@ def test_devices_reported_again_change_nothing() -> None:
     assert events(job) == before and Failure.objects.count() == 1
     _, newer = fail(job, 3, 4)  # a new device is a new incident
     assert newer.pk != decision.pk and reload(decision).status == DecisionStatus.SUPERSEDED
+
+
+@pytest.mark.parametrize("its_scenarios", [True, False])
+def test_the_state_runs_the_plan_given_whether_or_not_it_is_the_scenarios(
+    its_scenarios: bool,
+) -> None:
+    """A job runs its scenario's plan until its first recovery (then parsed once, not twice),
+    another one after: the state's plan is the one given, stage by stage as written."""
+    data = scenario()
+    given = copy.deepcopy(data["plan"])
+    if not its_scenarios:
+        given["pipelines"].reverse()  # the same devices and layers, in another order
+    state = rows.state_of(data, given, {3})
+    written = [[s["devices"] for s in p["stages"]] for p in given["pipelines"]]
+    assert [[list(s.devices) for s in p.stages] for p in state.plan.pipelines] == written
+    assert state.failed == frozenset({3})
