@@ -72,6 +72,11 @@ LOOP_PERIOD_S = 0.25  # how often a server process looks at its own event loop
 # word is ``quiet_s()`` old, until it is older than the detector's hold window (a process that
 # stopped, whose word the detector then removes).
 SERVERS_KEY = f"{PREFIX}:ingest:servers"
+# Commands a server process handed to their agent's socket, scored by when (server clock): not
+# worth publishing again (``incidents.applying.resend``). A socket that closes before its agent
+# read one brings the agent back with a hello, which is sent its unfinished commands again.
+DELIVERED_KEY = f"{PREFIX}:commands:delivered"
+DELIVERED_KEPT_S = 3600.0
 
 
 # A client's connections: at most this many at once, and a command that finds them all in use
@@ -126,6 +131,7 @@ class Writer:
         # per job, each node's latest beat (heard at, frame text, step), or None to forget it
         self.queued: dict[int, dict[str, Beat | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
+        self.delivered: dict[str, float] = {}  # commands handed to their sockets, and when
         self.flushing: asyncio.Task[None] | None = None
         # resolved when the queue as it stands is written, and when the batch in flight is
         self.queued_done: asyncio.Future[None] | None = None
@@ -143,6 +149,11 @@ class Writer:
         self.sent.append(sent_s)
         self._schedule()
 
+    def handed(self, command_id: str) -> None:
+        """The command went to its agent's socket (``DELIVERED_KEY``), written with the beats."""
+        self.delivered[command_id] = time.time()
+        self._schedule()
+
     def forget(self, job_id: int, node: str) -> None:
         """Stop watching the node (it left, or failed), after any of its beats queued before:
         in the same queue, so no late beat brings it back."""
@@ -156,15 +167,16 @@ class Writer:
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(LINGER_S)
-            while self.queued:
+            while self.queued or self.delivered:
                 batch, self.queued = self.queued, {}
+                delivered, self.delivered = self.delivered, {}
                 sent, self.sent = self.sent, []
                 since, self.since = self.since, None
                 done, self.queued_done = self.queued_done, None
                 self.writing_done = done or asyncio.get_running_loop().create_future()
                 self.writing_since = since
                 try:
-                    await self._write(batch, sent, since)
+                    await self._write(batch, sent, since, delivered)
                 finally:
                     self.writing_since = None
                     self.writing_done.set_result(None)
@@ -192,6 +204,7 @@ class Writer:
         batch: dict[int, dict[str, Beat | None]],
         sent: list[float],
         since: float | None,
+        delivered: dict[str, float] | None = None,
     ) -> None:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -217,7 +230,10 @@ class Writer:
                         pipe.hdel(frames_key(job_id), *gone)
                     if gone or stepless:
                         pipe.zrem(steps_key(job_id), *gone, *stepless)
-                pipe.sadd(JOBS_KEY, *batch)
+                if batch:
+                    pipe.sadd(JOBS_KEY, *batch)
+                if delivered:
+                    pipe.zadd(DELIVERED_KEY, delivered)
                 pipe.incrby(BEATS_KEY, len(sent))
                 self._lag_into(pipe, sent)
                 await pipe.execute()
@@ -289,6 +305,19 @@ async def watch_loop(redis: aioredis.Redis, name: str, writer: Writer | None = N
         # a loop that ends says so: its silence would hold the detector off for a hold window
         with contextlib.suppress(RedisError, OSError, asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(redis.zrem(SERVERS_KEY, name), LOOP_PERIOD_S)
+
+
+def handed_of(command_ids: list[str]) -> set[str]:
+    """Those of the commands a server handed to their agent's socket (``Writer.handed``),
+    from this process's synchronous client; the older records are dropped."""
+    if not command_ids:
+        return set()
+    client = sync_client()
+    with client.pipeline(transaction=False) as pipe:
+        pipe.zremrangebyscore(DELIVERED_KEY, "-inf", f"({time.time() - DELIVERED_KEPT_S}")
+        pipe.zmscore(DELIVERED_KEY, command_ids)
+        _, scores = pipe.execute()
+    return {command_id for command_id, score in zip(command_ids, scores, strict=True) if score}
 
 
 def lag_histogram(redis: Any) -> tuple[list[tuple[str, int]], float]:

@@ -725,6 +725,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if applying.lacks_plan(frame):
             frame = {**frame, "plan": await plans().packed(int(frame["decision"]))}
         await self.tell(json.dumps(frame, separators=(",", ":")))
+        if not self.closing:  # not published again (``applying.resend``)
+            self.writer.handed(str(frame["id"]))
 
     async def open(self, frame: protocol.Hello) -> None:
         opened = await in_thread(_hello, _hello_threads)(frame)
