@@ -114,6 +114,11 @@ class Hub:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         await self._deliver(message)
+                        # messages that came together are read from a buffer, and a handler
+                        # that sends to its socket never waits: without a turn for the rest of
+                        # the loop here, a plan's commands to 2,048 nodes held it 12 s, and no
+                        # heartbeat was read meanwhile
+                        await asyncio.sleep(0)
             except RedisError as exc:
                 log.warning("hub.redis_lost", error=str(exc), retry_in_s=backoff)
                 self.subscribed.clear()
