@@ -527,6 +527,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.redis, self.writer = liveness.shared()
         self.id = uuid.uuid4().hex
         self.awaited: dict[str, Awaited] = {}
+        self.told: set[str] = set()  # the commands sent on this socket
         await self.accept()
         if len(waiting()) >= waiting_cap():
             log.warning("agent.busy", waiting=len(waiting()))
@@ -718,15 +719,19 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.command(message["command"])
 
     async def command(self, frame: dict[str, Any]) -> None:
-        if self.closing:
+        command_id = str(frame["id"])
+        if self.closing or command_id in self.told:
+            # sent on this socket already: its agent has it (``applying.resend`` publishes again
+            # what it does not know was handed over; a plan's 60 kB a node, each time)
             return
         if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
-            self.awaited.setdefault(str(frame["id"]), Awaited())
+            self.awaited.setdefault(command_id, Awaited())
         if applying.lacks_plan(frame):
             frame = {**frame, "plan": await plans().packed(int(frame["decision"]))}
         await self.tell(json.dumps(frame, separators=(",", ":")))
         if not self.closing:  # not published again (``applying.resend``)
-            self.writer.handed(str(frame["id"]))
+            self.told.add(command_id)
+            self.writer.handed(command_id)
 
     async def open(self, frame: protocol.Hello) -> None:
         opened = await in_thread(_hello, _hello_threads)(frame)
