@@ -150,13 +150,15 @@ def _refuse_if_revoked(session: Session) -> None:
         raise ProtocolError(ErrorCode.UNAUTHORISED, "the token was revoked", field="token")
 
 
+def _live_tokens(token_ids: set[int] | list[int]) -> set[int]:
+    """Those of the tokens not revoked, in one query."""
+    live = AgentToken.objects.filter(pk__in=token_ids, revoked_at__isnull=True)
+    return set(live.values_list("pk", flat=True))
+
+
 def _revoked_each(token_ids: list[int]) -> list[bool]:
     """``_revoked`` of each token, in one query (``batches("revoked")``)."""
-    live = set(
-        AgentToken.objects.filter(pk__in=token_ids, revoked_at__isnull=True).values_list(
-            "pk", flat=True
-        )
-    )
+    live = _live_tokens(token_ids)
     return [token_id not in live for token_id in token_ids]
 
 
@@ -385,12 +387,7 @@ def _record_acks(batch: list[tuple[Session, protocol.Ack]]) -> list[str | Except
     """Acknowledgements recorded together (``applying.acked_each``, a drill's each alone): for
     each, "command" or "drill" by what it acknowledged, None for a command never sent to the
     node, or the refusal of a token revoked meanwhile."""
-    tokens = {session.token_id for session, _ in batch}
-    live = set(
-        AgentToken.objects.filter(pk__in=tokens, revoked_at__isnull=True).values_list(
-            "pk", flat=True
-        )
-    )
+    live = _live_tokens({session.token_id for session, _ in batch})
     allowed = [(session, ack) for session, ack in batch if session.token_id in live]
     commands = iter(applying.acked_each([(session.node_id, ack) for session, ack in allowed]))
     results: list[str | Exception | None] = []
