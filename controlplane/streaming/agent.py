@@ -11,7 +11,11 @@ with thousands of hellos, and says hello again). Nothing one agent sends reaches
 Commands reach the socket through the process's ``hub`` (no channel layer: see there). The
 consumer sends its node's unfinished commands again at ``hello``, records acknowledgements,
 and while a command awaits the agent's return to training, reports the heartbeats that show it
-(``incidents.applying``); otherwise a heartbeat touches nothing but Redis. A token revoked
+(``incidents.applying``); otherwise a heartbeat touches nothing but Redis. What a frame writes
+to the database (an acknowledgement, a return to training, a fault, a profile) is written in
+the order the frames came, behind the socket's reading (``AgentConsumer.later``): a heartbeat
+read behind a write that waits its turn among 2,048 nodes' would reach Redis late, and the
+deadline would fail a node that never stopped. A token revoked
 (``AgentToken.revoke``) closes the sockets that said hello with it, through the same hub; so
 does the heartbeat deadline's failure of a node (``jobs.detector``) for a socket a partition
 left open and unheard since (``CloseCode.SILENT``, no second failure): its agent says hello
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import itertools
 import json
 import math
@@ -495,6 +500,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
     raw = "{}"  # the latest heartbeat, as stored
     profiled_s = -math.inf  # when this socket's latest profile was taken
     hello_deadline: asyncio.TimerHandle | None = None
+    writing: asyncio.Task[None] | None = None  # the frames' database work (``later``)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # Channels' own loop (``await_many_dispatch``) wraps every message in a new task and an
@@ -525,6 +531,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.id = uuid.uuid4().hex
         self.awaited: dict[str, Awaited] = {}
         self.told: set[str] = set()  # the commands sent on this socket
+        self.to_write: list[Callable[[], Awaitable[None]]] = []  # ``later``'s queue
         await self.accept()
         if len(waiting()) >= waiting_cap():
             log.warning("agent.busy", waiting=len(waiting()))
@@ -571,14 +578,38 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.closing:  # sent before the agent saw the close: nothing to answer
             return
         raw = text_data if text_data is not None else bytes_data or b""
+        await self.answering(lambda: self.handle(protocol.parse_agent_frame(raw)))
+
+    async def answering(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Do a frame's ``work``: what it refuses is answered with an error frame, and a bug or
+        an outage ends this socket, not the process."""
         try:
-            frame = protocol.parse_agent_frame(raw)
-            await self.handle(frame)
+            await work()
         except ProtocolError as error:
             await self.refuse(error)
-        except Exception:  # a bug or an outage: this socket ends, the process goes on
+        except Exception:
             log.exception("agent.frame_failed", session=self.session)
             await self.shut(1011)
+
+    def later(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Do ``work`` (a frame's database writes) after the socket's earlier such work, in a
+        task of its own, while the socket goes on reading: its heartbeats reach Redis on time
+        however long the writes wait for their batch (``Batches``)."""
+        self.to_write.append(work)
+        if self.writing is None:
+            self.writing = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while self.to_write:
+                await self.answering(self.to_write.pop(0))
+        finally:
+            self.writing = None
+
+    async def written(self) -> None:
+        """Wait until the work ``later`` queued is done (a goodbye, a close: after it)."""
+        while self.writing is not None:
+            await asyncio.shield(self.writing)
 
     async def refuse(self, error: ProtocolError, seq: int | None = None) -> None:
         if self.closing:
@@ -603,13 +634,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.confirmed = True
         if isinstance(frame, protocol.Goodbye):
             self.leaving = True
+            await self.written()
             await in_thread(_goodbye)(self.session)
             self.writer.forget(self.session.job_id, self.session.node)
             await self.writer.settle()  # unwatched before the agent sees the close
             await self.shut(1000)
             return
         if isinstance(frame, protocol.Ack):
-            await self.acked(frame)
+            self.later(functools.partial(self.acked, frame))
             return
         if frame.seq <= self.last_seq:
             raise ProtocolError(
@@ -641,7 +673,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 session.job_id, session.node, self.last_heard_s, self.raw, frame.at, frame.step
             )
             if self.awaited and _training(frame):
-                await self.trains(frame.step)
+                self.later(functools.partial(self.trains, frame.step))
         elif isinstance(frame, protocol.Profile):
             # a script measures itself once a world: more often is a loop gone wrong, and each
             # profile rewrites the job's row, so one in PROFILE_INTERVAL_S is taken
@@ -650,13 +682,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 log.info("agent.profile_skipped", job=self.session.job_id, node=self.session.node)
                 return
             self.profiled_s = now
-            taken = await in_thread(_profiled)(self.session, frame)
-            log.info("agent.profile", job=self.session.job_id, node=self.session.node, taken=taken)
+            self.later(functools.partial(self.profiled, self.session, frame))
         else:
-            decision = await in_thread(_fault)(self.session, frame)
-            log.info(
-                "agent.fault", job=self.session.job_id, node=self.session.node, decision=decision
-            )
+            self.later(functools.partial(self.fault, self.session, frame))
+
+    async def profiled(self, session: Session, frame: protocol.Profile) -> None:
+        taken = await in_thread(_profiled)(session, frame)
+        log.info("agent.profile", job=session.job_id, node=session.node, taken=taken)
+
+    async def fault(self, session: Session, frame: protocol.Fault) -> None:
+        decision = await in_thread(_fault)(session, frame)
+        log.info("agent.fault", job=session.job_id, node=session.node, decision=decision)
 
     async def acked(self, frame: protocol.Ack) -> None:
         session = self.session
@@ -793,6 +829,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         session = self.session
         if session is None:
             return
+        # what the agent said before it went (an acknowledgement, a fault) is recorded first
+        with contextlib.suppress(Exception):
+            await self.written()
         hub.hub().leave(session.job_id, session.node, self.id)
         if self.leaving:
             return

@@ -589,3 +589,38 @@ async def test_a_fault_after_a_revocation_the_socket_has_not_heard_of_opens_noth
     failure = await failure_of(job)  # the node's loss, never the revoked agent's fault
     assert (failure.source, failure.kind) == ("socket", "node_lost")
     assert await database_sync_to_async(Failure.objects.count)() == 1
+
+
+async def test_a_heartbeat_reaches_redis_while_an_acknowledgement_waits_for_the_database(
+    agent: tuple[Job, WebsocketCommunicator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 2,048 nodes a plan's acknowledgements wait seconds for their batch; a heartbeat read
+    behind one reached Redis that late, and the deadline failed a node that never stopped."""
+    job, socket = agent
+    gate = threading.Event()
+    record = agent_socket._RECORDERS["acks"]
+
+    def held(batch: list[Any]) -> list[Any]:
+        gate.wait(10)
+        return record(batch)
+
+    monkeypatch.setitem(agent_socket._RECORDERS, "acks", held)
+    redis = liveness.client()
+    try:
+        ack = protocol.Ack(command="never-sent", ok=True, at=time.time())
+        await socket.send_to(protocol.encode(ack))
+        await socket.send_to(heartbeat(1, step=77))
+        for _ in range(100):
+            last = await liveness.latest(redis, job.pk, "node-0")
+            if last is not None and last["metrics"].get("step") == 77:
+                break
+            await asyncio.sleep(0.02)
+        assert last is not None and last["metrics"]["step"] == 77
+        assert not gate.is_set()
+        gate.set()
+        # the acknowledgement is still answered, once its batch is recorded
+        refused = await said(socket)
+        assert refused["type"] == "error" and refused["code"] == "unknown_command"
+    finally:
+        gate.set()
+        await redis.aclose()
