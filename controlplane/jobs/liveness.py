@@ -15,6 +15,7 @@ import asyncio
 import bisect
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -65,6 +66,12 @@ LINGER_S = 0.002
 # a node look silent, and the detector then judges only long silences (``jobs.detector``).
 BEHIND_KEY = f"{PREFIX}:ingest:behind"
 LOOP_BEHIND_DEADLINES = 0.25
+# A server busy to its last cycle keeps its loop on time and its writes prompt, yet reads each
+# socket late: beats come later than their agent's usual transit (``Transit``). A batch with at
+# least this many such beats, and this share of its beats, says the process is behind; one agent
+# with a slow link, or one that lies about its clocks, cannot.
+LATE_BEATS_MIN = 2
+LATE_BEATS_SHARE = 0.01
 LOOP_PERIOD_S = 0.25  # how often a server process looks at its own event loop
 # Server processes by when their event loop last found itself on time (server clock), said every
 # ``LOOP_PERIOD_S``. A process whose loop is blocked, or whose Redis connections are held, cannot
@@ -118,6 +125,28 @@ def sync_client() -> redis_sync.Redis:
 Beat = tuple[float, str, int | None]  # a node's latest heartbeat: heard at, its text, its step
 
 
+class Transit:
+    """One socket's heartbeats, from their agent's ``at`` to the server's reading: whether a
+    beat was read late, against the fastest transit of that socket's beats so far.
+
+    The agent's clock and the server's differ by an offset that is the same for every beat of
+    a socket, so the fastest transit holds it, and a beat's transit beyond that is time spent
+    waiting: on the agent's way out, on the link, or in the server's queues. That wait, not the
+    clocks, is what makes a node look silent; more than ``LOOP_BEHIND_DEADLINES`` deadlines is
+    late. The fastest transit may creep up ``DRIFT_S`` a beat, so that an agent's clock set back
+    once does not make all its later beats late."""
+
+    DRIFT_S = 0.001
+
+    def __init__(self) -> None:
+        self.fastest_s = math.inf
+
+    def late(self, sent_s: float, read_s: float) -> bool:
+        transit = read_s - sent_s
+        self.fastest_s = min(transit, self.fastest_s + self.DRIFT_S)
+        return transit - self.fastest_s > LOOP_BEHIND_DEADLINES * deadline_s()
+
+
 class Writer:
     """One event loop's heartbeat writes: ``beat`` queues, a task writes what queued meanwhile
     in one pipeline (per job: a ZADD of when and one of the steps, and one HSET, for all its
@@ -131,6 +160,7 @@ class Writer:
         # per job, each node's latest beat (heard at, frame text, step), or None to forget it
         self.queued: dict[int, dict[str, Beat | None]] = {}
         self.sent: list[float] = []  # when each beat queued since the last write was sent
+        self.late = 0  # beats queued since the last write that were read late (``Transit``)
         self.delivered: dict[str, float] = {}  # commands handed to their sockets, and when
         self.flushing: asyncio.Task[None] | None = None
         # resolved when the queue as it stands is written, and when the batch in flight is
@@ -139,14 +169,24 @@ class Writer:
         self.watching: asyncio.Task[None] | None = None  # its loop's ``watch_loop``
 
     def beat(
-        self, job_id: int, node: str, at_s: float, frame: str, sent_s: float, step: int | None
+        self,
+        job_id: int,
+        node: str,
+        at_s: float,
+        frame: str,
+        sent_s: float,
+        step: int | None,
+        *,
+        late: bool = False,
     ) -> None:
         """Queue the heartbeat ``frame`` (its JSON text) heard at ``at_s``, which its agent sent
-        at ``sent_s`` (the agent's clock); ``step``, the frame's (None: it has none)."""
+        at ``sent_s`` (the agent's clock); ``step``, the frame's (None: it has none); ``late``,
+        read later than its agent's beats usually are (``Transit``)."""
         if self.since is None:
             self.since = time.monotonic()
         self.queued.setdefault(job_id, {})[node] = (at_s, frame, step)
         self.sent.append(sent_s)
+        self.late += late
         self._schedule()
 
     def handed(self, command_id: str) -> None:
@@ -171,12 +211,13 @@ class Writer:
                 batch, self.queued = self.queued, {}
                 delivered, self.delivered = self.delivered, {}
                 sent, self.sent = self.sent, []
+                late, self.late = self.late, 0
                 since, self.since = self.since, None
                 done, self.queued_done = self.queued_done, None
                 self.writing_done = done or asyncio.get_running_loop().create_future()
                 self.writing_since = since
                 try:
-                    await self._write(batch, sent, since, delivered)
+                    await self._write(batch, sent, since, delivered, late)
                 finally:
                     self.writing_since = None
                     self.writing_done.set_result(None)
@@ -205,6 +246,7 @@ class Writer:
         sent: list[float],
         since: float | None,
         delivered: dict[str, float] | None = None,
+        late: int = 0,
     ) -> None:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -212,6 +254,11 @@ class Writer:
                 if held > LOOP_BEHIND_DEADLINES * deadline_s():
                     # beats queued behind slow writes: as late to Redis as a late loop makes them
                     log.warning("ingest.behind", held_s=round(held, 3), beats=len(sent))
+                    pipe.zadd(BEHIND_KEY, {self.name: time.time() + deadline_s()})
+                elif late >= max(LATE_BEATS_MIN, LATE_BEATS_SHARE * len(sent)):
+                    # beats read late from their sockets: a node whose beats wait as long looks
+                    # silent as surely as behind a late loop
+                    log.warning("ingest.behind", late_beats=late, beats=len(sent))
                     pipe.zadd(BEHIND_KEY, {self.name: time.time() + deadline_s()})
                 for job_id, nodes in batch.items():
                     beats = {node: beat for node, beat in nodes.items() if beat is not None}

@@ -532,6 +532,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.awaited: dict[str, Awaited] = {}
         self.told: set[str] = set()  # the commands sent on this socket
         self.to_write: list[Callable[[], Awaitable[None]]] = []  # ``later``'s queue
+        self.transit = liveness.Transit()  # how late its beats are read
         await self.accept()
         if len(waiting()) >= waiting_cap():
             log.warning("agent.busy", waiting=len(waiting()))
@@ -669,8 +670,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # (``1e3`` for a step, a key twice), so that readers parse what the schema says
             self.raw = protocol.encode(frame)
             session = self.session
+            heard = self.last_heard_s
+            late = self.transit.late(frame.at, heard)
             self.writer.beat(
-                session.job_id, session.node, self.last_heard_s, self.raw, frame.at, frame.step
+                session.job_id, session.node, heard, self.raw, frame.at, frame.step, late=late
             )
             if self.awaited and _training(frame):
                 self.later(functools.partial(self.trains, frame.step))

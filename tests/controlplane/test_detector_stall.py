@@ -19,6 +19,7 @@ from controlplane.incidents.models import Failure
 from controlplane.jobs import detector, liveness
 from controlplane.jobs.models import Job
 from tests.controlplane.test_lifecycle import NODES, goodbye, join, new_job
+from worker_agent import protocol
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("eager_planning")]
 
@@ -137,6 +138,101 @@ async def test_a_server_behind_on_heartbeats_delays_the_judgement_of_a_silent_no
     [failure] = await failures(job)
     assert failure.devices == NODES["node-1"]
     await redis.delete(liveness.BEHIND_KEY)
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
+def test_a_beat_is_late_by_its_wait_beyond_its_sockets_fastest_transit_whatever_the_clocks() -> (
+    None
+):
+    late_s = liveness.LOOP_BEHIND_DEADLINES * liveness.deadline_s()
+    for offset in (-100.0, 0.0, 3600.0):  # the agent's clock behind, with, ahead of the server's
+        transit = liveness.Transit()
+        sent = 1_000.0
+        assert not transit.late(sent, sent + offset + 0.05)  # the first beat: nothing to go by
+        assert not transit.late(sent + 1, sent + 1 + offset + 0.01)  # faster: the new fastest
+        assert not transit.late(sent + 2, sent + 2 + offset + 0.01 + late_s * 0.9)
+        assert transit.late(sent + 3, sent + 3 + offset + 0.01 + late_s * 1.1)
+
+
+def test_an_agent_clock_set_back_once_stops_making_its_beats_late() -> None:
+    transit = liveness.Transit()
+    for k in range(10):
+        assert not transit.late(float(k), k + 0.01)
+    back_s = 1.0  # the agent's clock now reads a second behind: every beat a second "late"
+    beats = [transit.late(k - back_s, k + 0.01) for k in range(10, 3_000)]
+    assert beats[0]
+    # the fastest transit creeps up DRIFT_S a beat: late no more once it has crept most of it
+    caught_up = beats.index(False)
+    expected = back_s - liveness.LOOP_BEHIND_DEADLINES * liveness.deadline_s()
+    assert caught_up == pytest.approx(expected / liveness.Transit.DRIFT_S, abs=2)
+    assert not any(beats[caught_up:])
+
+
+@pytest.mark.asyncio
+async def test_beats_read_late_from_several_sockets_say_behind_and_one_late_agent_does_not(
+    redis: Any,
+) -> None:
+    """A server busy to its last cycle writes promptly and its loop wakes on time, yet reads its
+    sockets late: at 2,048 nodes its beats came up to 1.8 s after their agents sent them, and
+    the deadline failed nodes that never stopped. Late beats from a few sockets in one batch say
+    the process is behind; one late agent (a slow link, a clock that lies) says nothing."""
+    writer = liveness.Writer(redis, name="reading-late")
+    now = time.time()
+
+    async def written(late: list[bool]) -> bool:
+        for i, is_late in enumerate(late):
+            writer.beat(1, f"node-{i}", now, "{}", now, None, late=is_late)
+        await writer.settle()
+        found = await redis.zscore(liveness.BEHIND_KEY, "reading-late") is not None
+        await redis.zrem(liveness.BEHIND_KEY, "reading-late")
+        return found
+
+    try:
+        assert not await written([True])
+        assert not await written([False] * 50)
+        assert await written([True, True])
+        assert await written([True, False, False, True])
+        # a share of the batch too: 2 late among 300 beats is a few agents, not the server
+        assert not await written([True, True] + [False] * 298)
+        assert await written([True, True, True] + [False] * 297)
+    finally:
+        await redis.delete(liveness.seen_key(1), liveness.frames_key(1), liveness.steps_key(1))
+
+
+@pytest.mark.asyncio
+async def test_a_socket_read_late_makes_its_server_behind_and_the_detector_holds(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent sockets end to end: beats that arrive later than their sockets' usual transit
+    put the server in ``BEHIND_KEY``, and a pass then judges no short silence."""
+    monkeypatch.setattr(liveness, "LINGER_S", 0.3)  # the four late beats in one batch
+    job, sockets, _ = await all_joined(redis)
+    name = liveness.shared()[1].name
+    await redis.zrem(liveness.BEHIND_KEY, name)
+    wait_s = 2 * liveness.LOOP_BEHIND_DEADLINES * detector.deadline_s()
+    for node, socket in sockets.items():
+        beat = protocol.Heartbeat(
+            seq=2,
+            at=time.time() - wait_s,  # sent that long before the server reads it
+            step=1,
+            devices=[
+                protocol.DeviceReport(device=d, state=protocol.DeviceState.TRAINING)
+                for d in NODES[node]
+            ],
+        )
+        await socket.send_to(protocol.encode(beat))
+    for _ in range(200):
+        if await redis.zscore(liveness.BEHIND_KEY, name) is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert await redis.zscore(liveness.BEHIND_KEY, name) is not None
+    now = time.time()
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": now - detector.deadline_s() - 1})
+    assert await detector.sweep(redis, now_s=now) == []
+    assert await failures(job) == []
+    await redis.zrem(liveness.BEHIND_KEY, name)
     for node in ("node-0", "node-2", "node-3"):
         await goodbye(sockets[node])
     await sockets["node-1"].disconnect()
