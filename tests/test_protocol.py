@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
 import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +268,7 @@ PLANS = st.fixed_dictionaries(
             "stages": st.lists(st.fixed_dictionaries({
                 "devices": st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4),
                 "layers": st.tuples(st.integers(0, 99), st.integers(100, 200)).map(list),
-            }), min_size=1, max_size=4),
+            }, optional={"rerouted": st.just(True)}), min_size=1, max_size=4),
             "micro_batches": st.integers(1, 64),
         }), max_size=6)},
 )  # fmt: skip
@@ -280,6 +283,64 @@ def test_a_plan_packed_is_the_plan_and_a_command_carries_it_so(plan: dict[str, A
     assert isinstance(written["plan"], str) and written["plan"] == packed
     parsed = protocol.parse_server_frame(protocol.encode(command))
     assert isinstance(parsed, protocol.Command) and parsed.plan == plan
+
+
+def rerouted_plan(pipelines: int, stages: int, lost: list[tuple[int, int]]) -> dict[str, Any]:
+    """``pipelines`` × ``stages`` stages of one device each; each (pipeline, stage) of ``lost``
+    rerouted onto its peers, as the rerouting policy writes it: the devices of the same layers'
+    stages that are not rerouted, in pipeline order."""
+    gone = set(lost)
+    plan: dict[str, Any] = {"family": "rerouting", "pipelines": []}
+    for p in range(pipelines):
+        written = []
+        for s in range(stages):
+            stage: dict[str, Any] = {"devices": [p * stages + s], "layers": [s, s + 1]}
+            if (p, s) in gone:
+                peers = [q * stages + s for q in range(pipelines) if (q, s) not in gone]
+                stage = {"devices": peers, "layers": [s, s + 1], "rerouted": True}
+            written.append(stage)
+        plan["pipelines"].append({"stages": written, "micro_batches": 4})
+    return plan
+
+
+def test_a_rerouted_stage_is_packed_without_its_peers_and_comes_back_with_them() -> None:
+    plan = rerouted_plan(3, 2, [(1, 0)])
+    assert plan["pipelines"][1]["stages"][0]["devices"] == [0, 4]
+    inflated = json.loads(zlib.decompress(base64.b64decode(protocol.pack_plan(plan))))
+    assert inflated["pipelines"][1]["stages"][0] == {"devices": [], "layers": [0, 1],
+                                                     "rerouted": True, "peers": True}  # fmt: skip
+    assert protocol.unpack_plan(protocol.pack_plan(plan)) == plan
+    # borrowing other devices than its peers (another order, a subset): written as it is
+    for devices in ([4, 0], [0]):
+        other = copy.deepcopy(plan)
+        other["pipelines"][1]["stages"][0]["devices"] = devices
+        inflated = json.loads(zlib.decompress(base64.b64decode(protocol.pack_plan(other))))
+        assert inflated["pipelines"][1]["stages"][0]["devices"] == devices
+        assert protocol.unpack_plan(protocol.pack_plan(other)) == other
+
+
+def test_a_16384_device_plan_that_lost_eleven_nodes_fits_in_a_servers_frame() -> None:
+    """PP 4 × DP 4,096, eleven nodes of 8 devices lost: 88 rerouted stages, each listing its
+    4,000-odd peers. Written out they packed to 1.1 MB, past a server's frame."""
+    lost = [(p, s) for p in range(4_096 - 22, 4_096) for s in range(4)]
+    plan = rerouted_plan(4_096, 4, lost)
+    assert len(lost) == 88
+    whole = base64.b64encode(zlib.compress(json.dumps(plan).encode(), 6))
+    assert len(whole) > protocol.MAX_SERVER_FRAME_BYTES
+    command = protocol.Command(id="c1", action=protocol.Action.APPLY_PLAN, plan=plan)
+    text = protocol.encode(command)
+    assert len(text) < protocol.MAX_SERVER_FRAME_BYTES // 8
+    parsed = protocol.parse_server_frame(text)
+    assert isinstance(parsed, protocol.Command) and parsed.plan == plan
+
+
+def test_a_stage_borrowing_the_peers_of_layers_nobody_holds_is_refused_naming_the_plan() -> None:
+    plan = {"pipelines": [{"stages": [{"devices": [], "layers": [0, 1], "rerouted": True,
+                                       "peers": True}], "micro_batches": 1}]}  # fmt: skip
+    text = base64.b64encode(zlib.compress(json.dumps(plan).encode())).decode()
+    frame = {"type": "command", "id": "c1", "action": "apply_plan", "plan": text}
+    error = refused_by_agent(json.dumps(frame))
+    assert (error.code, error.field) == (ErrorCode.INVALID, "plan")
 
 
 def test_a_plan_that_is_not_a_packed_object_is_refused_naming_the_plan() -> None:

@@ -378,9 +378,71 @@ class RestoreMode(StrEnum):
 
 
 def pack_plan(plan: dict[str, Any]) -> str:
-    """A plan as a command carries it: its JSON deflated (zlib), in base64."""
-    text = json.dumps(plan, separators=(",", ":")).encode()
+    """A plan as a command carries it: its JSON deflated (zlib), in base64, each rerouted stage
+    that borrows exactly its peers (``_peers``) written ``"devices": [], "peers": true``.
+
+    A rerouted stage lists every live replica it borrows: after ten nodes of a 16,384-device job
+    were lost, 88 rerouted stages listed 358,512 devices, and the plan packed to 1.1 MB, past a
+    server frame, where it packs to 60 kB without them."""
+    text = json.dumps(_peers_left_out(plan), separators=(",", ":")).encode()
     return base64.b64encode(zlib.compress(text, 6)).decode("ascii")
+
+
+def _peers(pipelines: list[Any]) -> dict[tuple[Any, ...], list[Any]]:
+    """Each layer range's peers: the devices of the stages of that range that are not rerouted,
+    in pipeline order; what the rerouting policy gives a rerouted stage of that range."""
+    peers: dict[tuple[Any, ...], list[Any]] = {}
+    for pipeline in pipelines:
+        for stage in pipeline.get("stages", ()):
+            if not stage.get("rerouted"):
+                peers.setdefault(tuple(stage["layers"]), []).extend(stage["devices"])
+    return peers
+
+
+def _peers_left_out(plan: dict[str, Any]) -> dict[str, Any]:
+    pipelines = plan.get("pipelines")
+    if not isinstance(pipelines, list) or not any(
+        stage.get("rerouted") for p in pipelines for stage in p.get("stages", ())
+    ):
+        return plan
+    peers = _peers(pipelines)
+
+    def packed(stage: dict[str, Any]) -> dict[str, Any]:
+        if stage.get("rerouted") and stage["devices"] == peers.get(tuple(stage["layers"])):
+            return {**stage, "devices": [], "peers": True}
+        return stage
+
+    return {
+        **plan,
+        "pipelines": [
+            {**p, "stages": [packed(stage) for stage in p.get("stages", ())]} for p in pipelines
+        ],
+    }
+
+
+def _peers_put_back(plan: dict[str, Any]) -> dict[str, Any]:
+    """``_peers_left_out`` undone; ValueError for a stage marked so whose layers no stage that is
+    not rerouted holds."""
+    pipelines = plan.get("pipelines")
+    if not isinstance(pipelines, list):
+        return plan
+    marked = [
+        stage
+        for p in pipelines
+        if isinstance(p, dict) and isinstance(p.get("stages"), list)
+        for stage in p["stages"]
+        if isinstance(stage, dict) and stage.get("peers") is True
+    ]
+    if not marked:
+        return plan
+    try:
+        peers = _peers(pipelines)
+        for stage in marked:
+            del stage["peers"]
+            stage["devices"] = list(peers[tuple(stage["layers"])])
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError("a rerouted stage borrows the peers of layers no stage holds") from None
+    return plan
 
 
 @functools.lru_cache(maxsize=8)
@@ -397,7 +459,7 @@ def unpack_plan(packed: str) -> dict[str, Any]:
         raise ValueError(f"not a deflated plan: {exc}") from None
     if not isinstance(plan, dict):
         raise ValueError("a plan is a JSON object")
-    return plan
+    return _peers_put_back(plan)
 
 
 # A plan: a JSON object on the wire from an older server or a person, else ``pack_plan``'s text.
