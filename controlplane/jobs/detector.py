@@ -257,9 +257,12 @@ async def sweep(redis: aioredis.Redis, now_s: float | None = None) -> list[int]:
             return []
         silence_s, lifecycle_due = deadline_s() * (1 + STALL_HOLD_DEADLINES), False
     decided = []
+    cutoff_s = now_s - silence_s
     for job_id, node, last_heard_s in await liveness.silent(redis, now_s, silence_s):
-        # forget first: a second detector running the same pass finds nothing to report
-        removed = await redis.zrem(liveness.seen_key(job_id), node)
+        # forget first: a second detector running the same pass finds nothing to report; and
+        # only if still silent: a pass that records many failures reaches the last ones seconds
+        # after it listed them, and a node heard meanwhile has not failed
+        removed = await redis.eval(_FORGET_SILENT, 1, liveness.seen_key(job_id), node, cutoff_s)
         if not removed:
             continue
         try:
@@ -284,6 +287,15 @@ async def sweep(redis: aioredis.Redis, now_s: float | None = None) -> list[int]:
             log.warning("detector.lifecycle_failed", error=str(exc))
     return decided
 
+
+# Stop watching a node (ARGV[1]) only if it was last heard before ARGV[2]: 1 if it was.
+_FORGET_SILENT = """
+local heard = redis.call('zscore', KEYS[1], ARGV[1])
+if heard and tonumber(heard) < tonumber(ARGV[2]) then
+  return redis.call('zrem', KEYS[1], ARGV[1])
+end
+return 0
+"""
 
 # Seconds between looks for decisions a lost task left behind (tasks.requeue_overdue).
 OVERDUE_PERIOD_S = 5.0

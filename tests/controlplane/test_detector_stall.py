@@ -81,6 +81,34 @@ async def test_one_silent_node_among_beating_ones_is_still_a_failure(redis: Any)
 
 
 @pytest.mark.asyncio
+async def test_a_node_heard_after_the_pass_listed_it_silent_is_not_failed(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass lists the silent nodes, then records each failure in turn (a database write
+    each): with hundreds listed, the last are reached seconds later. One heard meanwhile is
+    watched on, not failed; the others listed are."""
+    job, sockets, newest = await all_joined(redis)
+    now = newest + 0.5
+    old = now - detector.deadline_s() - 1
+    await redis.zadd(liveness.seen_key(job.pk), {"node-1": old, "node-2": old})
+    listed = await liveness.silent(redis, now, detector.deadline_s())
+    assert {node for _, node, _ in listed} == {"node-1", "node-2"}
+    await redis.zadd(liveness.seen_key(job.pk), {"node-2": now})  # heard again, after the list
+
+    async def as_listed(*_: Any) -> list[tuple[int, str, float]]:
+        return listed
+
+    monkeypatch.setattr(liveness, "silent", as_listed)
+    assert len(await detector.sweep(redis, now_s=now)) == 1
+    [failure] = await failures(job)
+    assert failure.devices == NODES["node-1"]
+    assert await redis.zscore(liveness.seen_key(job.pk), "node-2") == now
+    for node in ("node-0", "node-2", "node-3"):
+        await goodbye(sockets[node])
+    await sockets["node-1"].disconnect()
+
+
+@pytest.mark.asyncio
 async def test_a_silence_of_every_node_past_the_hold_window_is_judged(redis: Any) -> None:
     """The hold-off does not blind the detector: all nodes silent for longer than the deadline
     and the hold window after it are failures (a control plane stalled that long lost them)."""
