@@ -441,7 +441,9 @@ def _peers_put_back(plan: dict[str, Any]) -> dict[str, Any]:
             del stage["peers"]
             stage["devices"] = list(peers[tuple(stage["layers"])])
     except (KeyError, TypeError, AttributeError):
-        raise ValueError("a rerouted stage borrows the peers of layers no stage holds") from None
+        raise ValueError(
+            "a stage marked to borrow its peers: no stage that is not rerouted holds its layers"
+        ) from None
     return plan
 
 
