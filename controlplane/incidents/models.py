@@ -95,6 +95,11 @@ TERMINAL = frozenset(status for status, moves in LEGAL.items() if not moves)
 OPEN = frozenset(DecisionStatus) - TERMINAL
 
 
+# A decision's large JSON fields: the candidates with their plans, the plan, its packed form
+# (megabytes at 16,384 devices); a status change leaves them unread (``transitions.transition``).
+DECISION_HEAVY = ("decision", "plan", "packed_plan", "accuracy")
+
+
 class RecoveryDecision(models.Model):
     """What to do about a failure: every policy's candidates, the choice, who made it and why.
 

@@ -16,6 +16,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.incidents.models import (
+    DECISION_HEAVY,
     LEGAL,
     DecisionStatus,
     EventKind,
@@ -112,11 +113,13 @@ def transition(
     sees the new status and gets ``IllegalTransition``. ``after_commit`` runs once the move is
     committed.
     """
+    # the candidates and the plan are megabytes at 16,384 devices: read only if a caller asks
+    unread = [name for name in DECISION_HEAVY if name not in changes]
     with transaction.atomic():
         decision = (
             RecoveryDecision.objects.select_for_update(of=("self",))
             .select_related("job")
-            .defer(*heavy("job"))
+            .defer(*heavy("job"), *unread)
             .get(pk=decision_id)
         )
         if to not in LEGAL[decision.status]:

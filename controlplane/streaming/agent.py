@@ -430,8 +430,9 @@ def batches(kind: str) -> Batches[Any, Any]:
 
 
 class Plans:
-    """One event loop's packed plans by decision: read once however many of its sockets are
-    sent one (a decision's plan does not change once applying begins); kept a minute."""
+    """One event loop's packed plans by decision, as the end of a command's JSON
+    (``,"plan":"..."}``): read and encoded once however many of its sockets are sent one (a
+    decision's plan does not change once applying begins); kept a minute."""
 
     KEPT_S = 60.0
 
@@ -443,7 +444,7 @@ class Plans:
         if found is None:
             loop = asyncio.get_running_loop()
             found = self.found[decision_id] = asyncio.ensure_future(
-                in_thread(applying.packed_plan)(decision_id)
+                in_thread(_plan_tail)(decision_id)
             )
             loop.call_later(self.KEPT_S, self.found.pop, decision_id, None)
         try:
@@ -454,6 +455,10 @@ class Plans:
 
 
 _plans: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Plans] = weakref.WeakKeyDictionary()
+
+
+def _plan_tail(decision_id: int) -> str:
+    return ',"plan":' + json.dumps(applying.packed_plan(decision_id)) + "}"
 
 
 def plans() -> Plans:
@@ -762,9 +767,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
             self.awaited.setdefault(command_id, Awaited())
+        text = json.dumps(frame, separators=(",", ":"))
         if applying.lacks_plan(frame):
-            frame = {**frame, "plan": await plans().packed(int(frame["decision"]))}
-        await self.tell(json.dumps(frame, separators=(",", ":")))
+            # the plan's 60 kB are encoded once a decision, not once a node
+            text = text[:-1] + await plans().packed(int(frame["decision"]))
+        await self.tell(text)
         if not self.closing:  # not published again (``applying.resend``)
             self.told.add(command_id)
             self.writer.handed(command_id)

@@ -26,3 +26,25 @@ def test_package_exposes_the_celery_app() -> None:
     import controlplane
 
     assert controlplane.celery_app is app
+
+
+def test_a_starting_worker_loads_the_planners_solver_before_its_first_decision() -> None:
+    """A worker's first placement would otherwise import scipy's solver (0.4 s) while a job
+    waits for its recovery; a fresh interpreter, since this one may have it already."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import django\n"
+        "django.setup()\n"
+        "from celery.signals import worker_init\n"
+        "from controlplane.celery import app\n"
+        "before = 'scipy.optimize' in sys.modules\n"
+        "worker_init.send(sender=None)\n"
+        "print(before, 'scipy.optimize' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from controlplane.incidents.applying import restore_mode
 from controlplane.incidents.models import RecoveryDecision
@@ -50,3 +51,41 @@ def test_the_command_carries_it_and_an_old_command_still_parses() -> None:
         protocol.Command.model_validate(
             {"type": "command", "id": "c", "action": "apply_plan", "restore": "tape"}
         )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("chosen", "decision", "mode"),
+    [
+        (
+            1,
+            {"candidates": [{"policy": "rerouting"}, {"policy": "checkfree_plus"}]},
+            "neighbours_plus",
+        ),
+        (0, {"candidates": [{"policy": "checkpoint"}, {"policy": "checkfree"}]}, "checkpoint"),
+        (0, {"candidates": [{"policy": "dynamic"}]}, None),
+        (2, {"candidates": [{"policy": "checkfree"}]}, None),
+        (0, None, None),
+    ],
+)
+def test_a_decision_read_without_its_candidates_reads_the_chosen_policy_from_its_row(
+    chosen: int, decision: Any, mode: str | None
+) -> None:
+    """A status change leaves the candidates unread (they are megabytes at 16,384 devices);
+    the mode is then the chosen candidate's policy as the row keeps it."""
+    from controlplane.incidents.models import DECISION_HEAVY, Failure
+    from controlplane.jobs.models import Job
+
+    job = Job.objects.create(name="j", scenario={}, plan={})
+    now = timezone.now()
+    failure = Failure.objects.create(
+        job=job, kind="crash", devices=[0], source="agent", occurred_at=now, detected_at=now
+    )
+    stored = RecoveryDecision.objects.create(
+        job=job, failure=failure, chosen=chosen, decision=decision
+    )
+    unread = RecoveryDecision.objects.defer(*DECISION_HEAVY).get(pk=stored.pk)
+    assert "decision" in unread.get_deferred_fields()
+    got = restore_mode(unread)
+    assert (None if got is None else got.value) == mode
+    assert "decision" in unread.get_deferred_fields()  # still unread
