@@ -50,6 +50,7 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("benchmarks.reproduce_checkfree", None): ("--rates", "0.16", "--seeds", "1", "--hours", "30"),
     ("benchmarks.planner_scaling", None): ("--sizes", "32", "--baseline-budget", "0.5"),
     ("benchmarks.simulator_speed", None): ("--sizes", "64", "--days", "0.02"),
+    ("benchmarks.planning_task", None): ("--nodes", "64", "--rounds", "1"),
     # no failure in the first half hour of seed 0: the job, the calibration and the table
     ("benchmarks.llama3_year", None): (
         *("--days", "0.02", "--seeds", "1", "--policies", "rerouting,checkpoint"),
