@@ -1,5 +1,5 @@
 """The planning task of a large job, with Python's garbage collector paused as the worker
-pauses it (``tasks.collector_paused``) against running, in the same run.
+and the core pause it (``recovery/collector.py``) against running, in the same run.
 
 A node of the job is lost, and its decision is planned, proposed and applied the way
 ``incidents.plan_recovery`` runs it (``decisions.plan``: the job read, every policy's
@@ -71,6 +71,20 @@ def scratch_database(redis_db: int) -> Iterator[None]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextmanager
+def collector_running() -> Iterator[None]:
+    """The baseline: the collector left running throughout, the core's own pauses undone
+    (``collector.paused`` a no-op while the block runs)."""
+    from controlplane.recovery import collector
+
+    real = collector.paused
+    collector.paused = nullcontext  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        collector.paused = real
+
+
 def run(nodes: int, rounds: int, policies: list[str]) -> list[dict[str, Any]]:
     """Each round's row: for each mode the seconds ``decisions.plan`` took, its status and the
     policy it chose."""
@@ -79,9 +93,9 @@ def run(nodes: int, rounds: int, policies: list[str]) -> list[dict[str, Any]]:
     from controlplane.demo import scale_scenario
     from controlplane.incidents import decisions
     from controlplane.incidents.models import DecisionStatus, RecoveryDecision
-    from controlplane.incidents.tasks import collector_paused
     from controlplane.jobs.models import Node, NodeStatus
     from controlplane.jobs.services import create_job
+    from controlplane.recovery import collector
 
     scenario = scale_scenario(nodes)
     jobs = {}
@@ -103,7 +117,7 @@ def run(nodes: int, rounds: int, policies: list[str]) -> list[dict[str, Any]]:
         )
         gc.collect()
         started = time.perf_counter()
-        with collector_paused() if pause else nullcontext():
+        with collector.paused() if pause else collector_running():
             status = decisions.plan(decision.pk)
         seconds = time.perf_counter() - started
         answer, chosen = RecoveryDecision.objects.values_list("decision", "chosen").get(

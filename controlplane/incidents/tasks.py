@@ -10,7 +10,6 @@ planning again at once instead of after ``requeue_overdue``'s 30 s.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import threading
@@ -24,6 +23,7 @@ from redis.exceptions import RedisError
 
 # The project's app, not shared_task's current one: a process that enqueues (the ASGI server,
 # the detector) may never have loaded it, and would publish to Celery's default broker.
+from controlplane.bridge import collector_paused
 from controlplane.celery import app
 from controlplane.incidents import applying, decisions, notifications
 from controlplane.incidents.models import DecisionStatus, RecoveryDecision
@@ -77,25 +77,11 @@ def planning_lease(decision_id: int) -> Iterator[None]:
             log.warning("planning.lease_release_failed", decision=decision_id, error=str(exc))
 
 
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the block runs. Planning a 16,384-device job
-    and applying its plan make millions of objects that live until the task ends (the job's
-    plan parsed, every candidate's, their JSON), and the collections they set off walked them
-    again and again: 45 % of the task at 2,048 nodes (``python -m benchmarks.planning_task``).
-    What the block leaves in cycles is collected once the collector runs again."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 @app.task(acks_late=True, reject_on_worker_lost=True, name="incidents.plan_recovery")
 def plan_recovery(decision_id: int) -> str:
-    """Plan a decision with the core; returns its status afterwards."""
+    """Plan a decision with the core; returns its status afterwards. Python's garbage collector
+    is paused meanwhile: reading and writing the job's and the candidates' plans is most of the
+    task's objects at 16,384 devices, beside the core's own (``recovery/collector.py``)."""
     with planning_lease(decision_id), collector_paused():
         return decisions.plan(
             decision_id, schedule_timeout=schedule_deadline, notify=enqueue_notification

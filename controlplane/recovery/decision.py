@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from controlplane.recovery import collector
 from controlplane.recovery import policies as registry
 from controlplane.recovery.model import Candidate, ClusterState, Failure
 from controlplane.recovery.policies.base import Policy, unchanged
@@ -84,8 +85,9 @@ def decide(
     asked = resolve(policies, options)
     started = time.perf_counter()
     candidates: list[Candidate] = []
-    for policy in asked:
-        candidates.extend(policy.propose(state, failure))
+    with collector.paused():
+        for policy in asked:
+            candidates.extend(policy.propose(state, failure))
     return Decision(
         failure=failure,
         candidates=tuple(candidates),
@@ -117,8 +119,9 @@ def grow(
     asked = resolve(policies, options)
     started = time.perf_counter()
     candidates = [unchanged(KEEP, state)]
-    for policy in asked:
-        candidates.extend(policy.grow(state))
+    with collector.paused():
+        for policy in asked:
+            candidates.extend(policy.grow(state))
     return Decision(
         failure=failure,
         candidates=tuple(candidates),

@@ -439,7 +439,7 @@ class Plans:
     def __init__(self) -> None:
         self.found: dict[int, asyncio.Future[str]] = {}
 
-    async def packed(self, decision_id: int) -> str:
+    async def tail(self, decision_id: int) -> str:
         found = self.found.get(decision_id)
         if found is None:
             loop = asyncio.get_running_loop()
@@ -770,7 +770,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         text = json.dumps(frame, separators=(",", ":"))
         if applying.lacks_plan(frame):
             # the plan's 60 kB are encoded once a decision, not once a node
-            text = text[:-1] + await plans().packed(int(frame["decision"]))
+            text = text[:-1] + await plans().tail(int(frame["decision"]))
         await self.tell(text)
         if not self.closing:  # not published again (``applying.resend``)
             self.told.add(command_id)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import gc
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from controlplane.recovery import policies
 from controlplane.recovery.codes import Code
-from controlplane.recovery.decision import decide
+from controlplane.recovery.decision import decide, grow
 from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
 from controlplane.recovery.policies.base import SteadyCosts
 from tests.recovery.builders import examples, grid_state
@@ -106,3 +107,44 @@ def test_option_values_of_the_wrong_type_are_refused_naming_the_option(
     with pytest.raises(policies.InvalidOption) as caught:
         policies.get(name, **options)
     assert caught.value.field == f"options.{name}.{next(iter(options))}"
+
+
+@dataclass(frozen=True)
+class Watching(Fixed):
+    """``Fixed``, noting whether Python's garbage collector ran while it was asked."""
+
+    seen: list[bool] = field(default_factory=list)
+    fails: bool = False
+
+    def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+        self.seen.append(gc.isenabled())
+        if self.fails:
+            raise RuntimeError("the policy failed")
+        return super().propose(state, failure)
+
+    def grow(self, state: ClusterState) -> list[Candidate]:
+        self.seen.append(gc.isenabled())
+        return []
+
+
+def test_policies_decide_with_the_garbage_collector_paused_and_it_runs_again_after() -> None:
+    """A decision at 131,072 devices makes millions of objects the collector walked again and
+    again (recovery/collector.py); paused while the policies answer, on again after them, also
+    when one raises, and left off where it was off."""
+    state = grid_state(pp=2, dp=2, failed=[1])
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    policy = Watching(1.0)
+    assert gc.isenabled()
+    decide(state, failure, policies=[policy, policy])
+    grow(state, failure, policies=[policy])
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        decide(state, failure, policies=[Watching(1.0, seen=policy.seen, fails=True)])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decide(state, failure, policies=[policy])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert policy.seen == [False] * 5
