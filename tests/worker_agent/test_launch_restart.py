@@ -48,12 +48,19 @@ def lines(path: Path) -> list[tuple[int, int, str, int, int]]:
 
 
 def uninterrupted(script: str, steps: int) -> dict[tuple[int, int], str]:
-    """(rank, step) -> loss of ``script`` under torchrun on two ranks, never stopped."""
-    reference = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, "--steps", str(steps)],
-        env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+    """(rank, step) -> loss of ``script`` under torchrun on two ranks, never stopped.
+
+    Run a second time if the first fails: once in CI, a rank of this plain torchrun run (no
+    Pitstop in it) aborted in torch's own teardown after its last step ("terminate called
+    without an active exception", SIGABRT). Two failures in a row fail the test."""
+    for _ in range(2):
+        reference = subprocess.run(
+            [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, "--steps", str(steps)],
+            env=clean_environment(OMP_NUM_THREADS="1"), cwd=REPO_ROOT, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        if reference.returncode == 0:
+            break
     assert reference.returncode == 0, reference.stderr[-3000:]
     return {(int(r), int(s)): loss for r, s, loss, _, _ in LINE.findall(reference.stdout)}
 
