@@ -46,7 +46,9 @@ def test_swagger_ui_and_redoc_load_no_file_from_another_host(url: str) -> None:
     page = Client().get(url).content.decode()
     sources = re.findall(r'(?:src|href)="([^"]+)"', page)
     assert sources and all(s.startswith("/static/drf_spectacular_sidecar/") for s in sources)
-    assert "cdn" not in page.lower() and "https://" not in page
+    # a CDN named as a host: the page's random CSRF token once held the letters "cdn"
+    assert not re.search(r"cdn[.\w-]*\.(?:com|net|org|io)|jsdelivr|unpkg", page, re.I)
+    assert "https://" not in page
     for source in sources:
         served = Client().get(source)
         assert served.status_code == 200, source
