@@ -344,6 +344,7 @@ class Batches(Generic[Item, Result]):
         return done
 
     async def _drain(self) -> None:
+        batch: list[tuple[Item, asyncio.Future[Result]]] = []
         try:
             while self.queued:
                 batch, self.queued = self.queued, []
@@ -361,6 +362,11 @@ class Batches(Generic[Item, Result]):
                         done.set_result(result)
         finally:
             self.draining = None
+            # cancelled (the loop closing): what waits is recorded by no one, so its waiters
+            # are told, not left awaiting (a closing socket's loss, shielded, hung there)
+            for _, done in (*batch, *self.queued):
+                if not done.done():
+                    done.cancel()
 
     def _each(self, items: list[Item]) -> list[Result | Exception]:
         """Each item recorded alone: one that cannot be (a database error, a bad row) does not
