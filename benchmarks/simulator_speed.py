@@ -7,10 +7,12 @@ benchmark simulates the same trace with a baseline and reports the ratio; both r
 the same samples. The baseline ``walk`` reads every plan by walking it, as the core did before
 ``controlplane/recovery/replicas.py``; ``no-cut`` turns Odyssey's dominance cut off (every
 failure places and scores the best re-plans with Kuhn-Munkres, as before the simulator needed
-the cut).
+the cut); ``no-split-floor`` places every re-plan the uniform floor on gradient sync lets
+through, as before each shape's own layer splits bounded its sync
+(``dynamic.without_split_floors``).
 
     python -m benchmarks.simulator_speed [--sizes 16384] [--days 7] [--seed 1]
-        [--baseline walk|no-cut] [--no-baseline]
+        [--baseline walk|no-cut|no-split-floor] [--no-baseline]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from controlplane.recovery import replicas
 from controlplane.recovery.model import ClusterState
 from controlplane.recovery.planner import forget
 from controlplane.recovery.policies.base import Policy
+from controlplane.recovery.policies.dynamic import without_split_floors
 from controlplane.recovery.policies.odyssey import OdysseyPolicy
 from controlplane.recovery.simulator.engine import simulate
 from controlplane.recovery.simulator.traces import TraceSpec, generate
@@ -44,13 +47,25 @@ def healthy_state(devices: int, rate: float) -> ClusterState:
 
 
 def timed(
-    state: ClusterState, policy: Policy, spec: TraceSpec, days: float, seed: int, *, walk: bool
+    state: ClusterState,
+    policy: Policy,
+    spec: TraceSpec,
+    days: float,
+    seed: int,
+    *,
+    baseline: str | None = None,
 ) -> Any:
     horizon = days * 24 * 3600.0
     trace = generate(spec, state.cluster, horizon, seed)
     forget()  # each run starts with nothing remembered, as a fresh simulation would
     wall, cpu = time.perf_counter(), time.process_time()
-    with replicas.walking() if walk else contextlib.nullcontext():
+    if baseline == "walk":
+        context: contextlib.AbstractContextManager[None] = replicas.walking()
+    elif baseline == "no-split-floor":
+        context = without_split_floors()
+    else:
+        context = contextlib.nullcontext()
+    with context:
         run = simulate(state, policy, trace, horizon, seed=seed)
     return {
         "wall_s": time.perf_counter() - wall,
@@ -73,10 +88,10 @@ def measure(devices: int, days: float, seed: int, baseline: str | None) -> dict[
         "rate_per_device_hour": rate,
         "baseline": baseline,
     }
-    row["run"] = timed(state, OdysseyPolicy(), spec, days, seed, walk=False)
+    row["run"] = timed(state, OdysseyPolicy(), spec, days, seed)
     if baseline is not None:
         policy = OdysseyPolicy(dominance_cut=baseline != "no-cut")
-        row["base"] = timed(state, policy, spec, days, seed, walk=baseline == "walk")
+        row["base"] = timed(state, policy, spec, days, seed, baseline=baseline)
         row["ratio_base_over_run"] = row["base"]["cpu_s"] / row["run"]["cpu_s"]
         row["same_samples"] = row["base"]["samples"] == row["run"]["samples"]
     return row
@@ -85,7 +100,7 @@ def measure(devices: int, days: float, seed: int, baseline: str | None) -> dict[
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'devices':>8} {'days':>5} {'decisions':>9} {'wall s':>8} {'cpu s':>8} "
-        f"{'s/decision':>10} {'< 60 s':>6} {'baseline':>8} {'base cpu s':>10} {'ratio':>6} "
+        f"{'s/decision':>10} {'< 60 s':>6} {'baseline':>14} {'base cpu s':>10} {'ratio':>6} "
         f"{'same samples':>12}"
     )
     lines = [head, "-" * len(head)]
@@ -99,7 +114,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ok = "yes" if run["cpu_s"] < TARGET_S else "no"
         lines.append(
             f"{r['devices']:>8} {r['days']:>5g} {run['decisions']:>9} {run['wall_s']:>8.1f} "
-            f"{run['cpu_s']:>8.1f} {per:>10.3f} {ok:>6} {r['baseline'] or '-':>8} {base_s:>10} "
+            f"{run['cpu_s']:>8.1f} {per:>10.3f} {ok:>6} {r['baseline'] or '-':>14} {base_s:>10} "
             f"{ratio:>6} {same:>12}"
         )
     return "\n".join(lines)
@@ -112,9 +127,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--baseline",
-        choices=("walk", "no-cut"),
+        choices=("walk", "no-cut", "no-split-floor"),
         default="walk",
-        help="the same trace walking every plan (as before replicas), or without Odyssey's cut",
+        help="the same trace walking every plan (as before replicas), without Odyssey's cut, "
+        "or placing every re-plan the uniform sync floor lets through (as before split floors)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR")

@@ -15,6 +15,8 @@ from controlplane.recovery.estimator.sync import SyncSegment, sync_rounds
 from controlplane.recovery.model import (
     Cluster,
     ExecutionPlan,
+    LayerRange,
+    Layers,
     ModelProfile,
     Pipeline,
     Stage,
@@ -342,14 +344,58 @@ def gradient_sync_floor_s(
     """
     if cluster.communication_is_free or dp <= 1 or groups < dp:
         return 0.0
-
-    fastest = bytes_per_s(cluster.inter_node_gbps)
-    if dp * tp <= cluster.devices_per_node:
-        fastest = max(fastest, bytes_per_s(cluster.intra_node_gbps))
     layers = profile.layers
     widest = -(-layers // min(groups // dp, layers))
     least = min(profile.grad_bytes(i, i + widest) for i in range(layers - widest + 1))
-    return ring_allreduce_s(least / tp, dp, fastest)
+    return ring_allreduce_s(least / tp, dp, _fastest_ring_bytes_per_s(cluster, dp, tp))
+
+
+def split_sync_floor_s(
+    profile: ModelProfile, cluster: Cluster, splits: Iterable[Layers], *, dp: int, tp: int
+) -> float:
+    """A floor on ``gradient_sync_time`` of every plan of ``dp`` pipelines, none rerouted, whose
+    pipelines' layer splits are exactly ``splits`` (each split once, however many pipelines).
+
+    A plan's segments and rounds (Odyssey Fig. 4) follow from its distinct splits alone: a
+    segment's groups are the dp pipelines' holders of its layers, and two segments share a round
+    only when no split puts them on one stage. So the rounds are those of a plan with one pipeline
+    per split; only the bandwidth depends on where the groups are, and the floor takes the
+    fastest a ring of dp groups can have. It is the placed plan's sync wherever that ring
+    crosses nodes.
+    """
+    if cluster.communication_is_free or dp <= 1:
+        return 0.0
+    fastest = _fastest_ring_bytes_per_s(cluster, dp, tp)
+    return sum(
+        max(ring_allreduce_s(profile.grad_bytes(*layers) / tp, dp, fastest) for layers in round_)
+        for round_ in split_rounds(frozenset(splits))
+    )
+
+
+@lru_cache(maxsize=4096)
+def split_rounds(splits: frozenset[Layers]) -> tuple[tuple[LayerRange, ...], ...]:
+    """The sync rounds (their segments' layers) of any plan whose pipelines' splits are these."""
+    if len(splits) == 1:
+        return (next(iter(splits)),)
+    groups = itertools.count()
+    plan = ExecutionPlan(
+        pipelines=tuple(
+            Pipeline(
+                stages=tuple(Stage(devices=(next(groups),), layers=r) for r in split),
+                micro_batches=1,
+            )
+            for split in sorted(splits)
+        )
+    )
+    return tuple(tuple(segment.layers for segment in round_) for round_ in sync_rounds(plan))
+
+
+def _fastest_ring_bytes_per_s(cluster: Cluster, dp: int, tp: int) -> float:
+    """The fastest link a ring of dp groups of tp devices can have: one node's, if it fits."""
+    fastest = bytes_per_s(cluster.inter_node_gbps)
+    if dp * tp <= cluster.devices_per_node:
+        fastest = max(fastest, bytes_per_s(cluster.intra_node_gbps))
+    return fastest
 
 
 def gradient_sync_time(profile: ModelProfile, cluster: Cluster, plan: ExecutionPlan) -> float:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from controlplane.recovery import replicas
 from controlplane.recovery.codes import Caveat, Code, Option
-from controlplane.recovery.estimator.time import gradient_sync_floor_s
-from controlplane.recovery.model import Candidate, ClusterState, Failure, TransitionCost
+from controlplane.recovery.estimator.time import gradient_sync_floor_s, split_sync_floor_s
+from controlplane.recovery.model import Candidate, ClusterState, Failure, Layers, TransitionCost
 from controlplane.recovery.objective import expected_time_to_failure_s
 from controlplane.recovery.planner import (
     PlanShape,
@@ -30,6 +32,25 @@ WINDOW_MIN_SCORED = 8
 WINDOW_PLACED_GROUPS = 8_192
 
 
+class _Floors(threading.local):
+    splits = True
+
+
+_FLOORS = _Floors()
+
+
+@contextlib.contextmanager
+def without_split_floors() -> Iterator[None]:
+    """Within it, this thread's re-plans place every shape the uniform sync floor lets through,
+    as they did before each shape's own splits bounded it: for the tests that hold the choices
+    equal and the benchmark that compares their speed."""
+    earlier, _FLOORS.splits = _FLOORS.splits, False
+    try:
+        yield
+    finally:
+        _FLOORS.splits = earlier
+
+
 def plan_dynamic(
     policy: str,
     state: ClusterState,
@@ -44,6 +65,9 @@ def plan_dynamic(
     whose step time (compute plus a floor on gradient sync) could still beat it need their
     Kuhn-Munkres placement. When even the fastest shape's bound is at most ``beat`` (another
     option's objective), nothing is placed and the candidate is declined as ``Code.DOMINATED``.
+    A shape whose pipelines mix layer splits syncs its gradients in rounds; the floor of its own
+    splits (``split_sync_floor_s``) rules it out without a placement too, the fastest included,
+    and a re-plan none of whose shapes survive that is declined the same way.
     ``include_spares`` lets the re-plan use the spare devices too.
     """
     count = replicas.usable_group_count(
@@ -95,6 +119,24 @@ def plan_dynamic(
         floor_s = shape.compute_time_s + sync_floor_s
         return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
 
+    split_floors: dict[frozenset[Layers], float] = {}
+
+    def shape_bound(shape: PlanShape) -> float:
+        """Eq. 8 at the least step of this shape's own layer splits, with no weight transfer.
+
+        Tighter than ``objective_bound`` where pipelines mix layer splits (their gradient sync
+        takes rounds), and cheap: it needs no placement.
+        """
+        if not _FLOORS.splits:
+            return math.inf
+        splits = frozenset(p.layers for p in shape.pipelines)
+        if splits not in split_floors:
+            split_floors[splits] = split_sync_floor_s(
+                state.profile, state.cluster, splits, dp=len(shape.pipelines), tp=state.plan.tp
+            )
+        floor_s = shape.compute_time_s + split_floors[splits]
+        return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+
     bound = objective_bound(first.shapes[0])
     floor_s = first.shapes[0].compute_time_s + sync_floor_s
     # an incomplete search has not proven its first shape the fastest, so it bounds nothing
@@ -121,10 +163,15 @@ def plan_dynamic(
             )
         return scored[shape]
 
-    best = evaluate(first.shapes[0])
-    if not best.feasible or best.objective <= 0:
-        return with_caveat(best, complete)
-    cut = state.training.global_batch / best.objective * ratio
+    # The fastest shape is placed first, to bound the others, unless its own splits already
+    # show it cannot beat ``beat``: then the others need only beat that (the choice is the same).
+    best: Candidate | None = None
+    if shape_bound(first.shapes[0]) > beat * (1 + 1e-12):
+        best = evaluate(first.shapes[0])
+        if not best.feasible or best.objective <= 0:
+            return with_caveat(best, complete)
+    to_beat = beat if best is None else best.objective
+    cut = state.training.global_batch / to_beat * ratio
     # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
     # window holds one more, to tell whether the cap left out a shape that could still win.
     limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // count)
@@ -139,14 +186,25 @@ def plan_dynamic(
     )
     complete = complete and window.complete
     for index, shape in enumerate(window.shapes):  # fastest first: bounds only fall
-        if objective_bound(shape) <= best.objective * (1 + 1e-12):
+        if objective_bound(shape) <= to_beat * (1 + 1e-12):
             break
         if index == limit:
             complete = False  # a shape the cap leaves unscored could still win
             break
+        if shape_bound(shape) <= to_beat * (1 + 1e-12):
+            continue  # its own splits' sync already rules it out: no placement
         candidate = evaluate(shape)
-        if candidate.feasible and candidate.objective > best.objective * (1 + 1e-12):
+        if candidate.feasible and candidate.objective > to_beat * (1 + 1e-12):
             best = candidate
+            to_beat = candidate.objective
+    if best is None:
+        declined = Candidate.declined(
+            policy,
+            Code.DOMINATED,
+            f"no re-plan beats {beat:.4g} samples/s (each shape's compute plus its layer "
+            f"splits' gradient sync rules it out)",
+        )
+        return with_caveat(declined, complete)
     return with_caveat(best, complete)
 
 

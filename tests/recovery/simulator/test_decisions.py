@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.recovery.estimator.time import gradient_sync_floor_s, gradient_sync_time
-from controlplane.recovery.model import Assumptions, ClusterState
+from benchmarks.simulator_speed import healthy_state
+from controlplane.recovery.codes import Code, Option
+from controlplane.recovery.estimator.time import (
+    gradient_sync_floor_s,
+    gradient_sync_time,
+    split_sync_floor_s,
+)
+from controlplane.recovery.model import (
+    Assumptions,
+    Cluster,
+    ClusterState,
+    ExecutionPlan,
+    Layers,
+    Pipeline,
+    Stage,
+)
 from controlplane.recovery.planner import usable_groups
-from controlplane.recovery.policies.dynamic import plan_dynamic
+from controlplane.recovery.policies.dynamic import plan_dynamic, without_split_floors
 from controlplane.recovery.policies.odyssey import choose_family
+from controlplane.recovery.policies.rerouting import plan_rerouting
 from tests.recovery.builders import grid_state, uniform_profile
 
 GB = 1e9
@@ -75,3 +93,73 @@ def test_dominated_replan_says_so() -> None:
     assert not candidate.feasible and candidate.code == "dominated"
     chosen = choose_family("odyssey", state)
     assert chosen.feasible and chosen.note and chosen.option is not None
+
+
+@st.composite
+def splits_of(draw: st.DrawFn, layers: int) -> Layers:
+    cuts = draw(st.sets(st.integers(1, layers - 1), max_size=layers - 1))
+    bounds = [0, *sorted(cuts), layers]
+    return tuple(itertools.pairwise(bounds))
+
+
+@given(data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_the_sync_floor_of_a_plans_layer_splits_holds_for_every_plan_of_them(
+    data: st.DataObject,
+) -> None:
+    """A plan's gradient sync is never below the floor of its distinct splits, and is that floor
+    wherever every ring crosses nodes (one device a node): its rounds follow from the splits."""
+    layers = data.draw(st.integers(2, 12))
+    pool = data.draw(st.lists(splits_of(layers), min_size=1, max_size=4, unique=True))
+    chosen = data.draw(st.lists(st.sampled_from(pool), min_size=2, max_size=7))
+    tp = data.draw(st.sampled_from([1, 2]))
+    per_node = data.draw(st.sampled_from([1, 2, 4, 8, 64]))
+    devices = iter(data.draw(st.permutations(range(sum(map(len, chosen)) * tp))))
+    plan = ExecutionPlan(
+        pipelines=tuple(
+            Pipeline(
+                stages=tuple(
+                    Stage(devices=tuple(next(devices) for _ in range(tp)), layers=r) for r in split
+                ),
+                micro_batches=1,
+            )
+            for split in chosen
+        )
+    )
+    profile = uniform_profile(layers, m_g=data.draw(st.sampled_from([1, 3])) * GB)
+    cluster = Cluster(
+        devices=sum(map(len, chosen)) * tp,
+        devices_per_node=per_node,
+        intra_node_gbps=400.0,
+        inter_node_gbps=100.0,
+    )
+    floor = split_sync_floor_s(profile, cluster, set(chosen), dp=plan.dp, tp=tp)
+    sync = gradient_sync_time(profile, cluster, plan)
+    assert floor <= sync * (1 + 1e-12)
+    if per_node == 1:
+        assert math.isclose(floor, sync, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("failed", [(17, 53), (41, 112), (28, 87)])
+def test_a_replan_whose_splits_cannot_beat_rerouting_is_not_placed_and_the_choice_holds(
+    failed: tuple[int, ...],
+) -> None:
+    """128 Llama-2-7B devices (PP 8) lose two: the fastest re-plan mixes pipelines of 7 and 8
+    stages, whose gradient sync takes two rounds. Its compute plus the uniform floor could still
+    beat rerouting, its own splits' floor cannot: it is declined unplaced, and Odyssey chooses
+    what it chooses with every re-plan placed and scored (no cut)."""
+    state = replace(healthy_state(128, 1 / (1.8 * 16384)), failed=frozenset(failed))
+    rerouting = plan_rerouting("odyssey", state)
+    replan = plan_dynamic("odyssey", state, beat=rerouting.objective)
+    assert replan.code == Code.DOMINATED and "layer splits" in replan.note
+    cut = choose_family("odyssey", state)
+    full = choose_family("odyssey", state, dominance_cut=False)
+    with without_split_floors():
+        before = choose_family("odyssey", state)
+    assert full.plan is not None and full.option == cut.option == before.option == Option.REROUTE
+    assert (
+        (cut.objective, cut.plan) == (full.objective, full.plan) == (before.objective, before.plan)
+    )
+    # what the cut skipped really was slower: the placed re-plan loses to rerouting
+    placed = plan_dynamic("odyssey", state)
+    assert placed.feasible and placed.objective < rerouting.objective
