@@ -42,7 +42,7 @@ from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.estimator.memory import stage_peak_bytes
-from controlplane.recovery.estimator.time import pipeline_time
+from controlplane.recovery.estimator.time import pipeline_floor_s, pipeline_time
 from controlplane.recovery.model import (
     Cluster,
     ClusterState,
@@ -678,6 +678,47 @@ def search(
     if remembered:
         _remember(_MEMO.searches, key, replace(result, shapes=list(result.shapes)), MEMO_SEARCHES)
     return result
+
+
+def longest_pipelines_reach(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    *,
+    groups: int,
+    tp: int,
+    dp: int,
+    at_least_s: float,
+) -> bool | None:
+    """Whether the longest pipeline of every shape ``search`` can return with ``dp`` pipelines
+    over ``groups`` groups takes at least ``at_least_s``, sends included, wherever it is placed.
+
+    Returns False where one might not, None where this cannot tell (fewer micro-batches than
+    groups, or an oracle answer a budget cut short: the search would be incomplete too).
+
+    Such a shape uses every group, so its longest pipeline has S ≥ ceil(groups / dp) stages and
+    comes first in Algorithm 1's list. With at least as many micro-batches N as groups G, a
+    pipeline of S stages gets its share N·S // G, and the leftovers, one each to the first
+    pipelines, number the sum of the shares' remainders over G: at least one once the longest
+    one's share is not exact. Its split is the oracle's for that (S, m), and
+    ``pipeline_floor_s`` bounds its time on any devices.
+    """
+    if training.micro_batches < groups or not 1 <= dp <= groups:
+        return None
+    oracle = _oracle(profile, cluster.device_memory_bytes, tp, False)
+    earlier, oracle.incomplete = oracle.incomplete, False
+    try:
+        for length in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
+            share, rest = divmod(training.micro_batches * length, groups)
+            m = share + (rest > 0)
+            if oracle.split_bound(length, m) >= at_least_s:
+                continue  # its best split without sends already takes that long
+            best = oracle.best(length, m)
+            if best is not None and pipeline_floor_s(profile, cluster, best[1], m, tp) < at_least_s:
+                return False
+        return None if oracle.incomplete else True
+    finally:
+        oracle.incomplete = oracle.incomplete or earlier
 
 
 # A simulated job or a worker's planner asks the same searches again and again: a failure

@@ -390,6 +390,24 @@ def split_rounds(splits: frozenset[Layers]) -> tuple[tuple[LayerRange, ...], ...
     return tuple(tuple(segment.layers for segment in round_) for round_ in sync_rounds(plan))
 
 
+def pipeline_floor_s(
+    profile: ModelProfile, cluster: Cluster, split: Layers, micro_batches: int, tp: int
+) -> float:
+    """A floor on ``estimate_pipeline`` of a pipeline with this split wherever it is placed:
+    eq. 11 with every send at the fastest link a boundary can have (eq. 11's times only grow
+    with its sends)."""
+    fastest = max(bytes_per_s(cluster.intra_node_gbps), bytes_per_s(cluster.inter_node_gbps))
+    p2p = tuple(
+        0.0
+        if cluster.communication_is_free
+        else profile.boundary_bytes_after(end - 1) / tp / fastest
+        for _, end in split[:-1]
+    )
+    t_f = tuple(profile.fwd(*layers) for layers in split)
+    t_b = tuple(profile.bwd(*layers) for layers in split)
+    return cached_pipeline_time(t_f, t_b, micro_batches, p2p)
+
+
 def _fastest_ring_bytes_per_s(cluster: Cluster, dp: int, tp: int) -> float:
     """The fastest link a ring of dp groups of tp devices can have: one node's, if it fits."""
     fastest = bytes_per_s(cluster.inter_node_gbps)

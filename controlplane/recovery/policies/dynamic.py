@@ -17,6 +17,7 @@ from controlplane.recovery.objective import expected_time_to_failure_s
 from controlplane.recovery.planner import (
     PlanShape,
     dp_window,
+    longest_pipelines_reach,
     realize,
     search,
     usable_groups,
@@ -172,6 +173,21 @@ def plan_dynamic(
             return with_caveat(best, complete)
     to_beat = beat if best is None else best.objective
     cut = state.training.global_batch / to_beat * ratio
+    if (
+        _FLOORS.splits
+        and not exhaustive
+        and longest_pipelines_fall_short(state, count, widths, cut - sync_floor_s)
+    ):
+        # Every shape's longest pipeline, sends included, plus the sync every shape pays takes
+        # ``cut`` or more: no shape the window could hold beats ``to_beat``, so none is searched.
+        if best is None:
+            return Candidate.declined(
+                policy,
+                Code.DOMINATED,
+                f"no re-plan beats {beat:.4g} samples/s (every re-plan's longest pipeline with "
+                f"its sends, plus gradient sync, takes {cut:.4g} s or more)",
+            )
+        return with_caveat(best, complete)
     # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
     # window holds one more, to tell whether the cap left out a shape that could still win.
     limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // count)
@@ -206,6 +222,26 @@ def plan_dynamic(
         )
         return with_caveat(declined, complete)
     return with_caveat(best, complete)
+
+
+def longest_pipelines_fall_short(
+    state: ClusterState, count: int, widths: Sequence[int], at_least_s: float
+) -> bool:
+    """Whether every re-plan over ``count`` groups, at every width, has a longest pipeline that
+    takes ``at_least_s`` or more with its sends (``planner.longest_pipelines_reach``)."""
+    return all(
+        longest_pipelines_reach(
+            state.profile,
+            state.cluster,
+            state.training,
+            groups=count,
+            tp=state.plan.tp,
+            dp=dp,
+            at_least_s=at_least_s,
+        )
+        is True
+        for dp in widths
+    )
 
 
 def chosen_among(

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from benchmarks.simulator_speed import healthy_state
 from controlplane.recovery.codes import Code, Option
 from controlplane.recovery.estimator.time import (
+    estimate_pipeline,
     gradient_sync_floor_s,
     gradient_sync_time,
+    pipeline_floor_s,
     split_sync_floor_s,
 )
 from controlplane.recovery.model import (
@@ -23,10 +25,17 @@ from controlplane.recovery.model import (
     ClusterState,
     ExecutionPlan,
     Layers,
+    ModelProfile,
     Pipeline,
     Stage,
 )
-from controlplane.recovery.planner import usable_groups
+from controlplane.recovery.planner import (
+    dp_window,
+    longest_pipelines_reach,
+    realize,
+    search,
+    usable_groups,
+)
 from controlplane.recovery.policies.dynamic import plan_dynamic, without_split_floors
 from controlplane.recovery.policies.odyssey import choose_family
 from controlplane.recovery.policies.rerouting import plan_rerouting
@@ -65,9 +74,11 @@ def failed_states(draw: st.DrawFn) -> ClusterState:
 def test_dominance_cut_never_changes_odyssey_choice(state: ClusterState) -> None:
     cut = choose_family("odyssey", state)
     full = choose_family("odyssey", state, dominance_cut=False)
-    assert cut.feasible == full.feasible
-    assert cut.objective == full.objective
-    assert cut.plan == full.plan
+    with without_split_floors():
+        before = choose_family("odyssey", state)
+    assert cut.feasible == full.feasible == before.feasible
+    assert cut.objective == full.objective == before.objective
+    assert cut.plan == full.plan == before.plan
 
 
 @given(state=failed_states())
@@ -140,18 +151,30 @@ def test_the_sync_floor_of_a_plans_layer_splits_holds_for_every_plan_of_them(
         assert math.isclose(floor, sync, rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("failed", [(17, 53), (41, 112), (28, 87)])
-def test_a_replan_whose_splits_cannot_beat_rerouting_is_not_placed_and_the_choice_holds(
-    failed: tuple[int, ...],
+@pytest.mark.parametrize(
+    ("devices", "failed", "ruled_out_by"),
+    [
+        (128, (17, 53), "layer splits"),
+        (128, (41, 112), "layer splits"),
+        (1024, tuple(range(0, 1024, 64)), "longest pipeline"),
+        (1024, tuple(range(0, 1024, 61)), "longest pipeline"),
+    ],
+)
+def test_a_replan_that_cannot_beat_rerouting_is_not_placed_and_the_choice_holds(
+    devices: int, failed: tuple[int, ...], ruled_out_by: str
 ) -> None:
-    """128 Llama-2-7B devices (PP 8) lose two: the fastest re-plan mixes pipelines of 7 and 8
+    """Llama-2-7B on PP 8 loses a few devices: the fastest re-plan mixes pipelines of 7 and 8
     stages, whose gradient sync takes two rounds. Its compute plus the uniform floor could still
-    beat rerouting, its own splits' floor cannot: it is declined unplaced, and Odyssey chooses
-    what it chooses with every re-plan placed and scored (no cut)."""
-    state = replace(healthy_state(128, 1 / (1.8 * 16384)), failed=frozenset(failed))
+    beat rerouting, its own splits' floor cannot, so it is not placed. At 128 devices the window
+    search then finds nothing better; at 1,024 every re-plan's longest pipeline with its sends is
+    too slow, so there is no search (and no caveat: that is a proof). Either way Odyssey chooses
+    what it chooses with every re-plan placed and scored (no cut, no floors)."""
+    state = replace(healthy_state(devices, 1 / (1.8 * 16384)), failed=frozenset(failed))
     rerouting = plan_rerouting("odyssey", state)
     replan = plan_dynamic("odyssey", state, beat=rerouting.objective)
-    assert replan.code == Code.DOMINATED and "layer splits" in replan.note
+    assert replan.code == Code.DOMINATED and ruled_out_by in replan.note
+    if ruled_out_by == "longest pipeline":
+        assert replan.caveats == ()
     cut = choose_family("odyssey", state)
     full = choose_family("odyssey", state, dominance_cut=False)
     with without_split_floors():
@@ -160,6 +183,121 @@ def test_a_replan_whose_splits_cannot_beat_rerouting_is_not_placed_and_the_choic
     assert (
         (cut.objective, cut.plan) == (full.objective, full.plan) == (before.objective, before.plan)
     )
-    # what the cut skipped really was slower: the placed re-plan loses to rerouting
-    placed = plan_dynamic("odyssey", state)
+    # what was ruled out really was slower: the re-plan placed and scored loses to rerouting
+    with without_split_floors():
+        placed = plan_dynamic("odyssey", state)
     assert placed.feasible and placed.objective < rerouting.objective
+
+
+@st.composite
+def sending_profiles(draw: st.DrawFn, layers: int) -> ModelProfile:
+    """Random per-layer times, and activations of whole gigabytes, so that sends weigh."""
+    times = st.lists(st.integers(0, 5), min_size=layers, max_size=layers)
+    return ModelProfile(
+        name="sends",
+        fwd_s=tuple(map(float, draw(times))),
+        bwd_s=tuple(map(float, draw(times))),
+        m_p=(0.0,) * layers,
+        m_o=(0.0,) * layers,
+        m_g=(1 * GB,) * layers,
+        m_a=tuple(x * GB for x in draw(times)),
+    )
+
+
+LINKS = [(400.0, 100.0), (10.0, 1.0), (1.0, 10.0), (None, 10.0)]
+
+
+@given(data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_a_pipelines_floor_holds_wherever_it_is_placed(data: st.DataObject) -> None:
+    """Eq. 11 with every send at the fastest link is never above the pipeline's estimate on any
+    devices, and is that estimate when every send takes the fastest link."""
+    layers = data.draw(st.integers(1, 9))
+    profile = data.draw(sending_profiles(layers))
+    split = data.draw(splits_of(layers)) if layers > 1 else ((0, 1),)
+    tp = data.draw(st.sampled_from([1, 2]))
+    per_node = data.draw(st.sampled_from([1, 2, 4, 64]))
+    intra, inter = data.draw(st.sampled_from(LINKS))
+    cluster = Cluster(
+        devices=len(split) * tp,
+        devices_per_node=per_node,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
+    )
+    devices = iter(data.draw(st.permutations(range(len(split) * tp))))
+    stages = tuple(Stage(devices=tuple(next(devices) for _ in range(tp)), layers=r) for r in split)
+    pipeline = Pipeline(stages=stages, micro_batches=data.draw(st.integers(1, 6)))
+    floor = pipeline_floor_s(profile, cluster, split, pipeline.micro_batches, tp)
+    estimate = estimate_pipeline(profile, cluster, pipeline, tp)
+    assert floor <= estimate * (1 + 1e-12)
+    fastest_everywhere = (per_node == 64 and (intra is None or inter <= intra)) or (
+        per_node == 1 and (intra is not None and inter >= intra)
+    )
+    if fastest_everywhere:
+        assert math.isclose(floor, estimate, rel_tol=1e-12)
+
+
+@st.composite
+def sending_states(draw: st.DrawFn) -> ClusterState:
+    pp = draw(st.integers(1, 4))
+    dp = draw(st.integers(2, 4))
+    layers = draw(st.integers(pp, 8))
+    failed = draw(st.sets(st.integers(0, pp * dp - 1), min_size=1, max_size=max(1, pp * dp // 3)))
+    intra, inter = draw(st.sampled_from(LINKS))
+    return grid_state(
+        layers=layers,
+        pp=pp,
+        dp=dp,
+        micro_batches=draw(st.integers(pp, 2 * pp + 2)),  # at least one a group
+        failed=sorted(failed),
+        profile=draw(sending_profiles(layers)),
+        devices_per_node=draw(st.sampled_from([1, 2, 4])),
+        bandwidth_gbps=(intra, inter),  # type: ignore[arg-type]
+    )
+
+
+@given(state=sending_states(), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_every_searched_shapes_slowest_pipeline_reaches_what_its_longest_is_said_to(
+    state: ClusterState, data: st.DataObject
+) -> None:
+    """``longest_pipelines_reach`` says True only when every shape the search can return, once
+    placed, has a pipeline that long; just above the fastest such shape it must not."""
+    groups = usable_groups(state)
+    for dp in dp_window(state.plan.dp, len(groups)):
+        every = search(
+            state.profile,
+            state.cluster,
+            state.training,
+            groups=len(groups),
+            tp=state.plan.tp,
+            dp_options=[dp],
+            top_k=10**6,
+            node_budget=None,
+        )
+        if not every.shapes:
+            continue
+        slowest = []
+        for shape in every.shapes:
+            plan, _ = realize(state, shape, groups)
+            slowest.append(
+                max(
+                    estimate_pipeline(state.profile, state.cluster, p, plan.tp)
+                    for p in plan.pipelines
+                )
+            )
+
+        def reach(at_least_s: float, dp: int = dp) -> bool | None:
+            return longest_pipelines_reach(
+                state.profile,
+                state.cluster,
+                state.training,
+                groups=len(groups),
+                tp=state.plan.tp,
+                dp=dp,
+                at_least_s=at_least_s,
+            )
+
+        above = min(slowest) * (1 + data.draw(st.sampled_from([1e-9, 0.01, 0.5]))) + 1e-9
+        assert reach(above) is not True
+        assert reach(0.0) is True
