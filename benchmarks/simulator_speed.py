@@ -8,8 +8,8 @@ the same samples. The baseline ``walk`` reads every plan by walking it, as the c
 ``controlplane/recovery/replicas.py``; ``no-cut`` turns Odyssey's dominance cut off (every
 failure places and scores the best re-plans with Kuhn-Munkres, as before the simulator needed
 the cut); ``no-split-floor`` places every re-plan the uniform floor on gradient sync lets
-through, as before each shape's own layer splits bounded its sync
-(``dynamic.without_split_floors``).
+through and searches for the others, as before a shape's own layer splits and the longest
+pipeline's sends bounded them (``dynamic.without_split_floors``).
 
     python -m benchmarks.simulator_speed [--sizes 16384] [--days 7] [--seed 1]
         [--baseline walk|no-cut|no-split-floor] [--no-baseline]

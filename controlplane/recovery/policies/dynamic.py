@@ -42,9 +42,10 @@ _FLOORS = _Floors()
 
 @contextlib.contextmanager
 def without_split_floors() -> Iterator[None]:
-    """Within it, this thread's re-plans place every shape the uniform sync floor lets through,
-    as they did before each shape's own splits bounded it: for the tests that hold the choices
-    equal and the benchmark that compares their speed."""
+    """Within it, this thread's re-plans place every shape the uniform sync floor lets through
+    and search for the others, as they did before a shape's own splits and the longest
+    pipeline's sends bounded them: for the tests that hold the choices equal and the benchmark
+    that compares their speed."""
     earlier, _FLOORS.splits = _FLOORS.splits, False
     try:
         yield
