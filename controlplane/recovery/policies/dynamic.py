@@ -121,7 +121,8 @@ def plan_dynamic(
         floor_s = shape.compute_time_s + sync_floor_s
         return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
 
-    split_floors: dict[frozenset[Layers], float] = {}
+    # by splits and width: the ring's factor 2(dp - 1)/dp differs between widths
+    split_floors: dict[tuple[frozenset[Layers], int], float] = {}
 
     def shape_bound(shape: PlanShape) -> float:
         """Eq. 8 at the least step of this shape's own layer splits, with no weight transfer.
@@ -131,12 +132,12 @@ def plan_dynamic(
         """
         if not _FLOORS.splits:
             return math.inf
-        splits = frozenset(p.layers for p in shape.pipelines)
-        if splits not in split_floors:
-            split_floors[splits] = split_sync_floor_s(
-                state.profile, state.cluster, splits, dp=len(shape.pipelines), tp=state.plan.tp
+        key = (frozenset(p.layers for p in shape.pipelines), len(shape.pipelines))
+        if key not in split_floors:
+            split_floors[key] = split_sync_floor_s(
+                state.profile, state.cluster, key[0], dp=key[1], tp=state.plan.tp
             )
-        floor_s = shape.compute_time_s + split_floors[splits]
+        floor_s = shape.compute_time_s + split_floors[key]
         return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
 
     bound = objective_bound(first.shapes[0])

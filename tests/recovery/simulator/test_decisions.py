@@ -189,6 +189,30 @@ def test_a_replan_that_cannot_beat_rerouting_is_not_placed_and_the_choice_holds(
     assert placed.feasible and placed.objective < rerouting.objective
 
 
+def test_shapes_of_the_same_splits_at_another_width_are_bounded_at_their_own_width() -> None:
+    """Found by the property above: 11 groups, widths 4 to 6. The fastest shape (6 pipelines)
+    is placed; a 5-pipeline shape with the splits of a 6-pipeline one syncs faster (a ring of 5
+    groups moves 2·4/5 of the gradients, one of 6 moves 2·5/6), and wins. Its bound must be its
+    own width's, not the other shape's."""
+    state = grid_state(
+        layers=4,
+        pp=3,
+        dp=5,
+        micro_batches=2,
+        failed=[0, 1, 2, 3],
+        profile=uniform_profile(4, m_p=1 * GB, m_o=6 * GB, m_g=1 * GB),
+        devices_per_node=1,
+        failure_rate=0.0,
+        bandwidth_gbps=(400.0, 100.0),
+        assumptions=Assumptions(restart_s=0.0),
+    )
+    with without_split_floors():
+        before = choose_family("odyssey", state)
+    chosen = choose_family("odyssey", state)
+    assert before.plan is not None and before.plan.dp == 5
+    assert (chosen.objective, chosen.plan) == (before.objective, before.plan)
+
+
 @st.composite
 def sending_profiles(draw: st.DrawFn, layers: int) -> ModelProfile:
     """Random per-layer times, and activations of whole gigabytes, so that sends weigh."""
