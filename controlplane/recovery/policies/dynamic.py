@@ -69,7 +69,9 @@ def plan_dynamic(
     option's objective), nothing is placed and the candidate is declined as ``Code.DOMINATED``.
     A shape whose pipelines mix layer splits syncs its gradients in rounds; the floor of its own
     splits (``split_sync_floor_s``) rules it out without a placement too, the fastest included,
-    and a re-plan none of whose shapes survive that is declined the same way.
+    and a re-plan none of whose shapes survive that is declined the same way. When every
+    shape's longest pipeline with its sends, plus the sync every shape pays, is too slow
+    (``planner.longest_pipelines_reach``), the other shapes are not searched for at all.
     ``include_spares`` lets the re-plan use the spare devices too.
     """
     count = replicas.usable_group_count(
@@ -169,7 +171,7 @@ def plan_dynamic(
     # The fastest shape is placed first, to bound the others, unless its own splits already
     # show it cannot beat ``beat``: then the others need only beat that (the choice is the same).
     best: Candidate | None = None
-    if shape_bound(first.shapes[0]) > beat * (1 + 1e-12):
+    if beat <= 0 or shape_bound(first.shapes[0]) > beat * (1 + 1e-12):
         best = evaluate(first.shapes[0])
         if not best.feasible or best.objective <= 0:
             return with_caveat(best, complete)
