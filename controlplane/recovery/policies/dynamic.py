@@ -118,10 +118,13 @@ def plan_dynamic(
         for dp in widths
     )
 
+    def at_step(floor_s: float) -> float:
+        """Eq. 8 at a step of ``floor_s``, with no weight transfer: a shape's bound."""
+        return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+
     def objective_bound(shape: PlanShape) -> float:
         """Eq. 8 at the least step the shape can have, with no weight transfer."""
-        floor_s = shape.compute_time_s + sync_floor_s
-        return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+        return at_step(shape.compute_time_s + sync_floor_s)
 
     # by splits and width: the ring's factor 2(dp - 1)/dp differs between widths
     split_floors: dict[tuple[frozenset[Layers], int], float] = {}
@@ -139,11 +142,10 @@ def plan_dynamic(
             split_floors[key] = split_sync_floor_s(
                 state.profile, state.cluster, key[0], dp=key[1], tp=state.plan.tp
             )
-        floor_s = shape.compute_time_s + split_floors[key]
-        return state.training.global_batch / floor_s * ratio if floor_s > 0 else math.inf
+        return at_step(shape.compute_time_s + split_floors[key])
 
-    bound = objective_bound(first.shapes[0])
     floor_s = first.shapes[0].compute_time_s + sync_floor_s
+    bound = at_step(floor_s)
     # an incomplete search has not proven its first shape the fastest, so it bounds nothing
     if complete and bound <= beat:
         return Candidate.declined(
