@@ -21,7 +21,11 @@ from controlplane.jobs.models import Job
 from tests.controlplane.test_lifecycle import NODES, goodbye, join, new_job
 from worker_agent import protocol
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("eager_planning")]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("eager_planning"),
+    pytest.mark.serial,  # they block this process's loop and time what it says meanwhile
+]
 
 
 async def all_joined(redis: Any) -> tuple[Job, dict[str, WebsocketCommunicator], float]:
