@@ -80,18 +80,11 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"no {tool} command (iproute2)"
     try:
-        with host(_probe_index(99)):
+        with host(99):
             pass
     except OSError as error:
         return f"cannot make a network namespace with a veth pair: {error}"
     return None
-
-
-def _probe_index(index: int) -> int:
-    """A probe's host index, 16 lower per pytest-xdist worker: the workers of one test run
-    probe at once, and one subnet taken twice fails the second."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return index - 16 * int(worker.removeprefix("gw"))
 
 
 def netem_unavailable() -> str | None:
@@ -100,7 +93,7 @@ def netem_unavailable() -> str | None:
     if reason is not None:
         return reason
     try:
-        with host(_probe_index(98)) as probe:
+        with host(98) as probe:
             probe.shape(["delay", "1ms"])
     except OSError as error:
         return f"tc netem is not available in this kernel: {error}"

@@ -7,8 +7,6 @@ stops the server it started when it ends.
 """
 
 import logging
-import os
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -17,25 +15,7 @@ from controlplane import defaults, embedded_redis
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests() -> None:
-    _one_redis_per_worker()
     defaults.provide(redis=True)
-
-
-def _one_redis_per_worker() -> None:
-    """Under pytest-xdist (`-n N`), each worker gets a Redis of its own, as a session has one:
-    tests empty what earlier tests left there. With REDIS_URL set, worker gwK uses the URL's
-    database number plus K; without it, each worker's embedded Redis (and SQLite file) lives in a
-    data directory of its own."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker:
-        return
-    index = int(worker.removeprefix("gw"))
-    if url := os.environ.get("REDIS_URL"):
-        parts = urlsplit(url)
-        database = int(parts.path.strip("/") or 0) + index
-        os.environ["REDIS_URL"] = urlunsplit(parts._replace(path=f"/{database}"))
-    else:
-        os.environ["PITSTOP_DATA_DIR"] = str(defaults.data_dir() / "xdist" / worker)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -95,6 +95,13 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
         *("--settle", "1"),
     ),
 }
+# The commands that start a whole stack (servers, workers, agents, torchrun ranks, Chromium) under
+# a deadline: marked `serial`, so that CI runs them alone, after the parallel run.
+STACKS = {
+    "benchmarks.trainer_recovery", "benchmarks.recovery_e2e", "benchmarks.launch_restart",
+    "benchmarks.torchft_side_by_side", "benchmarks.loss_parity", "benchmarks.dashboard_load",
+    "benchmarks.recovery_scale", "benchmarks.scale_out", "benchmarks.heartbeat_load",
+}  # fmt: skip
 # Where a command's JSON lands when it does not print "wrote PATH": the simulator's summary.
 SUMMARY = "summary.json"
 # The keys under which each command's JSON holds its results; one must be non-empty.
@@ -276,7 +283,15 @@ def runnable() -> list[tuple[tuple[str, ...], str]]:
     return [(words, ", ".join(sorted(set(pages)))) for words, pages in runs.items()]
 
 
-@pytest.mark.parametrize(("words", "pages"), runnable(), ids=[" ".join(w) for w, _ in runnable()])
+@pytest.mark.parametrize(
+    ("words", "pages"),
+    [
+        pytest.param(
+            words, pages, id=" ".join(words), marks=[pytest.mark.serial] * (words[0] in STACKS)
+        )
+        for words, pages in runnable()
+    ],
+)
 def test_documented_command_runs(words: tuple[str, ...], pages: str, copy: Path) -> None:
     if words[0] == "benchmarks.scale_out" and (reason := scale_out.unavailable()) is not None:
         pytest.skip(f"the scale-out benchmark cannot run here: {reason}")
