@@ -96,7 +96,7 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
     ),
 }
 # The commands that start a whole stack (servers, workers, agents, torchrun ranks, Chromium) under
-# a deadline: marked `serial`, so that CI runs them alone, after the parallel run.
+# a deadline: marked `serial` (they need the machine to themselves).
 STACKS = {
     "benchmarks.trainer_recovery", "benchmarks.recovery_e2e", "benchmarks.launch_restart",
     "benchmarks.torchft_side_by_side", "benchmarks.loss_parity", "benchmarks.dashboard_load",
