@@ -95,13 +95,6 @@ TINY: dict[tuple[str, str | None], tuple[str, ...]] = {
         *("--settle", "1"),
     ),
 }
-# The commands that start a whole stack (servers, workers, agents, torchrun ranks, Chromium) under
-# a deadline: marked `serial` (they need the machine to themselves).
-STACKS = {
-    "benchmarks.trainer_recovery", "benchmarks.recovery_e2e", "benchmarks.launch_restart",
-    "benchmarks.torchft_side_by_side", "benchmarks.loss_parity", "benchmarks.dashboard_load",
-    "benchmarks.recovery_scale", "benchmarks.scale_out", "benchmarks.heartbeat_load",
-}  # fmt: skip
 # Seconds a tiny run may take, where not 120: launch_restart's four kills may each wait out their
 # 60 s timeout for a group that never forms (seen once in CI: three kills had taken 98 s).
 TIMEOUT_S = {"benchmarks.launch_restart": 360}
@@ -286,15 +279,7 @@ def runnable() -> list[tuple[tuple[str, ...], str]]:
     return [(words, ", ".join(sorted(set(pages)))) for words, pages in runs.items()]
 
 
-@pytest.mark.parametrize(
-    ("words", "pages"),
-    [
-        pytest.param(
-            words, pages, id=" ".join(words), marks=[pytest.mark.serial] * (words[0] in STACKS)
-        )
-        for words, pages in runnable()
-    ],
-)
+@pytest.mark.parametrize(("words", "pages"), runnable(), ids=[" ".join(w) for w, _ in runnable()])
 def test_documented_command_runs(words: tuple[str, ...], pages: str, copy: Path) -> None:
     if words[0] == "benchmarks.scale_out" and (reason := scale_out.unavailable()) is not None:
         pytest.skip(f"the scale-out benchmark cannot run here: {reason}")

@@ -533,7 +533,6 @@ def test_a_viewer_digs_through_the_incidents_and_the_jobs_archive(site: Site) ->
     viv.close()
 
 
-@pytest.mark.serial  # times how soon the page notices: beside a stack of processes, it failed
 def test_a_logout_in_another_tab_stops_the_live_page_and_says_so(site: Site) -> None:
     ops = Browser(site, "ops")
     ops.go(f"/jobs/{site.made['live']}/")
