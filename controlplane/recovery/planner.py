@@ -25,12 +25,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import combinations
 from typing import Any
@@ -42,7 +41,12 @@ from controlplane.recovery.codes import Code
 from controlplane.recovery.errors import InfeasiblePlan
 from controlplane.recovery.estimator.batch import pipeline_times
 from controlplane.recovery.estimator.memory import stage_peak_bytes
-from controlplane.recovery.estimator.time import pipeline_floor_s, pipeline_time
+from controlplane.recovery.estimator.time import (
+    pipeline_floor_s,
+    pipeline_time,
+    shortest_pipeline_sync_floor_s,
+    split_sync_floor_s,
+)
 from controlplane.recovery.model import (
     Cluster,
     ClusterState,
@@ -72,6 +76,16 @@ class PlanShape:
 
     pipelines: tuple[PipelineShape, ...]
     compute_time_s: float
+    # its pipelines' distinct layer splits where the search knew them: at scale a shape holds
+    # tens of thousands of pipelines and a handful of splits
+    known_splits: frozenset[Layers] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def splits(self) -> frozenset[Layers]:
+        """Its pipelines' distinct layer splits."""
+        if self.known_splits is not None:
+            return self.known_splits
+        return frozenset(p.layers for p in self.pipelines)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -214,6 +228,8 @@ class PipelineOracle:
         # the (S, m) whose ``best`` a budget cut short: a search that reads one again is
         # incomplete too (one oracle serves many searches, ``search``)
         self._cut: set[tuple[int, int]] = set()
+        # ``pipeline_floor_s`` of the splits it gave, by (cluster, split, micro-batches)
+        self.floors: dict[tuple[Cluster, Layers, int], float] = {}
 
     def best(self, stages: int, micro_batches: int) -> tuple[float, Layers] | None:
         """Least (time, split) over memory-feasible even splits; None when none fits."""
@@ -421,7 +437,8 @@ class _Search:
     budget: float
     deadline: float
     spread: int | None
-    found: list[tuple[float, tuple[int, ...], PlanShape]]  # heap of the top_k, worst on top
+    # heap of the top_k, worst on top: (-time, the runs of lengths as (-length, -count), shape)
+    found: list[tuple[float, tuple[tuple[int, int], ...], PlanShape]]
     nodes: int = 0
     shortest: int = 1
     stopped: bool = False
@@ -446,6 +463,12 @@ class _Search:
             # Algorithm 1's R_pp as a band around the mean pipeline length.
             longest = min(longest, -(-self.groups // dp) + self.spread)
             self.shortest = max(1, self.groups // dp - self.spread)
+        # Lengths whose own bound is past the threshold hold no pipeline (``_extend``), so the
+        # shortest a pipeline can have is the first one that is not: the bounds that keep the
+        # groups left able to fill the pipelines left then see it, where with memory-bound
+        # short lengths the search would otherwise walk subtrees that can close on none.
+        while self.shortest < longest and self._pruned(self.shortest):
+            self.shortest += 1
         self._extend({}, longest, self.groups, dp)
 
     def grids(self, dp: int) -> None:
@@ -559,26 +582,27 @@ class _Search:
                 return
 
     def _leaf(self, counts: dict[int, int]) -> None:
-        lengths = tuple(
-            itertools.chain.from_iterable(
-                itertools.repeat(s, counts[s]) for s in sorted(counts, reverse=True)
-            )
-        )
-        shares = distribute_batch(self.micro_batches, lengths)
-        if shares is None:
+        runs = [(s, counts[s]) for s in sorted(counts, reverse=True) if counts[s]]
+        # (length, micro-batches, pipelines) in list order: at scale a shape has tens of
+        # thousands of pipelines and a handful of runs
+        split = distribute_runs(self.micro_batches, runs)
+        if split is None:
             return
+        pairs = list(dict.fromkeys((length, m) for length, m, _ in split))
         # Pipelines of one length differ only by one micro-batch: score each (S, m) pair once.
         if self.oracle.memo and not self.exhaustive:
             # a pipeline's bound already past the threshold puts the shape past it: its best
             # split need not be searched (the same proven bound as ``_pruned``)
-            for pair in set(zip(lengths, shares, strict=True)):
+            for pair in pairs:
                 if self._beyond(self.oracle.split_bound(*pair)):
                     return
         step = 0.0
         best_of: dict[tuple[int, int], tuple[float, Layers]] = {}
-        pairs = zip(lengths, shares, strict=True)
         # The straightforward Algorithm 1 (no memo) scores every pipeline on its own.
-        for length, m in set(pairs) if self.oracle.memo else list(pairs):
+        scored = (
+            pairs if self.oracle.memo else [(length, m) for length, m, n in split for _ in range(n)]
+        )
+        for length, m in scored:
             best = self.oracle.best(length, m)
             if best is None:
                 return
@@ -586,19 +610,57 @@ class _Search:
             step = max(step, best[0])
         if self._beyond(step):
             return
-        shape_of = {pair: PipelineShape(best[1], pair[1]) for pair, best in best_of.items()}
-        pipelines = tuple(map(shape_of.__getitem__, zip(lengths, shares, strict=True)))
-        # Rank by time, then by the more even partition (reverse-sorted lengths compare smaller).
-        entry = (-step, tuple(map(operator.neg, lengths)), PlanShape(pipelines, step))
-        if any(e[1] == entry[1] for e in self.found):
+        # Rank by time, then by the more even partition: the reverse-sorted lengths compare
+        # smaller, and so do their runs as (-length, -count), every shape holding ``groups``.
+        rank = (-step, tuple((-length, -count) for length, count in runs))
+        if any(e[1] == rank[1] for e in self.found):
             return
+        if len(self.found) >= self.top_k and rank <= self.found[0][:2]:
+            return
+        shape_of = {pair: PipelineShape(best[1], pair[1]) for pair, best in best_of.items()}
+        pipelines = tuple(
+            itertools.chain.from_iterable(
+                itertools.repeat(shape_of[(length, m)], n) for length, m, n in split
+            )
+        )
+        splits = frozenset(best[1] for best in best_of.values())
+        entry = (*rank, PlanShape(pipelines, step, splits))
         if len(self.found) < self.top_k:
             heapq.heappush(self.found, entry)
-        elif entry[:2] > self.found[0][:2]:
+        else:
             heapq.heapreplace(self.found, entry)
         if len(self.found) >= self.top_k and not self.exhaustive:
             self.threshold = min(self.threshold, -self.found[0][0])
             self.strict = True
+
+
+def distribute_runs(
+    micro_batches: int, runs: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, int]] | None:
+    """``distribute_batch`` over runs of (length, pipelines), as runs of (length, micro-batches,
+    pipelines) in list order; the same shares without listing every pipeline."""
+    pipelines = sum(n for _, n in runs)
+    if micro_batches < pipelines:
+        return None
+    total = sum(length * n for length, n in runs)
+    share = {length: micro_batches * length // total for length, _ in runs}
+    # leftovers one by one in list order: every pipeline gets ``each`` more, the first ``first``
+    # one more again
+    each, first = divmod(micro_batches - sum(share[length] * n for length, n in runs), pipelines)
+    if any(share[length] + each == 0 for length, _ in runs):
+        # empty shares are refilled one by one: the pipelines listed
+        lengths = [length for length, n in runs for _ in range(n)]
+        shares = distribute_batch(micro_batches, lengths)
+        assert shares is not None
+        return [(length, m, 1) for length, m in zip(lengths, shares, strict=True)]
+    split = []
+    for length, n in runs:
+        more = min(first, n)
+        first -= more
+        for m, k in ((share[length] + each + 1, more), (share[length] + each, n - more)):
+            if k:
+                split.append((length, m, k))
+    return split
 
 
 def search(
@@ -680,7 +742,12 @@ def search(
     return result
 
 
-def longest_pipelines_reach(
+# Shapes told apart by their longest and shortest pipelines: the split sets one such class may
+# hold, enumerated at most this many (``every_shape_reaches``); beyond it the class is not told.
+CLASS_SPLIT_SETS = 4_096
+
+
+def every_shape_reaches(
     profile: ModelProfile,
     cluster: Cluster,
     training: Training,
@@ -688,37 +755,142 @@ def longest_pipelines_reach(
     groups: int,
     tp: int,
     dp: int,
-    at_least_s: float,
+    step_s: float,
 ) -> bool | None:
-    """Whether the longest pipeline of every shape ``search`` can return with ``dp`` pipelines
-    over ``groups`` groups takes at least ``at_least_s``, sends included, wherever it is placed.
+    """Whether every shape ``search`` can return with ``dp`` pipelines over ``groups`` groups
+    takes at least ``step_s`` a step once placed, wherever: its slowest pipeline with its sends,
+    plus its gradient sync.
 
     Returns False where one might not, None where this cannot tell (fewer micro-batches than
-    groups, or an oracle answer a budget cut short: the search would be incomplete too).
+    groups, a class of too many split sets, or an oracle answer a budget cut short: the search
+    would be incomplete too).
 
-    Such a shape uses every group, so its longest pipeline has S ≥ ceil(groups / dp) stages and
-    comes first in Algorithm 1's list. With at least as many micro-batches N as groups G, a
-    pipeline of S stages gets its share N·S // G, and the leftovers, one each to the first
-    pipelines, number the sum of the shares' remainders over G: at least one once the longest
-    one's share is not exact. Its split is the oracle's for that (S, m), and
-    ``pipeline_floor_s`` bounds its time on any devices.
+    Such a shape uses every group. With at least as many micro-batches N as groups G, a pipeline
+    of S stages gets its share N·S // G or one more (the leftovers, fewer than the pipelines, go
+    one each to the first ones), and its split is the oracle's for that (S, m). Its longest
+    pipeline, of L ≥ ceil(G / dp) stages, comes first in Algorithm 1's list, so it takes a
+    leftover once its share is not exact. Its shortest, of s ≤ G // dp stages, has a stage of
+    ceil(layers / s) layers whose gradients go in rounds of their own
+    (``shortest_pipeline_sync_floor_s``). So each class (L, s) of shapes is bounded by its
+    longest pipeline's floor with sends (``pipeline_floor_s``) plus that sync; a class that
+    bound does not rule out is bounded by each split set its shapes can have: the slowest of its
+    pipelines' floors, plus its own splits' sync (``split_sync_floor_s``).
     """
-    if training.micro_batches < groups or not 1 <= dp <= groups:
+    n = training.micro_batches
+    if n < groups or not 1 <= dp <= groups:
         return None
     oracle = _oracle(profile, cluster.device_memory_bytes, tp, False)
     earlier, oracle.incomplete = oracle.incomplete, False
+    by_length: dict[int, tuple[Pair | None, Pair | None, bool]] = {}
+    floors = oracle.floors  # a pipeline's floor with its sends, by cluster, split and m
+
+    def pairs(length: int) -> tuple[Pair | None, Pair | None, bool]:
+        """A pipeline of this length with its share and with a leftover, as (floor with sends,
+        split), None where no split fits; and whether its share is exact."""
+        if length not in by_length:
+            share, rest = divmod(n * length, groups)
+            found: list[Pair | None] = []
+            for m in (share, share + 1):
+                best = oracle.best(length, m)
+                if best is None:
+                    found.append(None)
+                    continue
+                key = (cluster, best[1], m)
+                if key not in floors:
+                    floors[key] = pipeline_floor_s(profile, cluster, best[1], m, tp)
+                found.append((floors[key], best[1]))
+            by_length[length] = (found[0], found[1], rest == 0)
+        return by_length[length]
+
     try:
-        for length in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
-            share, rest = divmod(training.micro_batches * length, groups)
-            m = share + (rest > 0)
-            if oracle.split_bound(length, m) >= at_least_s:
-                continue  # its best split without sends already takes that long
-            best = oracle.best(length, m)
-            if best is not None and pipeline_floor_s(profile, cluster, best[1], m, tp) < at_least_s:
-                return False
+        for longest in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
+            first = _pipelines_of(pairs(longest), longest=True)
+            if not first:
+                continue  # no pipeline of this length fits: no such shape
+            least_first = min(floor for floor, _ in first)
+            # shorter shortest pipelines have wider stages, whose sync takes no less: once one
+            # class is ruled out so is every class below it
+            for shortest in range(min(longest, groups // dp), 0, -1):
+                sync = shortest_pipeline_sync_floor_s(
+                    profile, cluster, stages=shortest, dp=dp, tp=tp
+                )
+                if least_first + sync >= step_s:
+                    break
+                if not _class_possible(groups, dp, longest, shortest):
+                    continue
+                choices = [
+                    _pipelines_of(pairs(length), longest=length == longest)
+                    for length in range(longest, shortest - 1, -1)
+                ]
+                least = _class_floor(profile, cluster, tp, dp, choices)
+                if least is None:
+                    return None
+                if least < step_s:
+                    return None if oracle.incomplete else False
         return None if oracle.incomplete else True
     finally:
         oracle.incomplete = oracle.incomplete or earlier
+
+
+# A pipeline's floor with its sends, and its layer split.
+Pair = tuple[float, Layers]
+
+
+def _pipelines_of(pairs: tuple[Pair | None, Pair | None, bool], *, longest: bool) -> list[Pair]:
+    """The pipelines a length can have in a shape: with its share or with a leftover; only the
+    latter when it is the shape's longest and its share is not exact."""
+    share, leftover, exact = pairs
+    if longest and not exact:
+        return [] if leftover is None else [leftover]
+    return [p for p in (share, leftover) if p is not None]
+
+
+def _class_possible(groups: int, dp: int, longest: int, shortest: int) -> bool:
+    """Whether ``dp`` pipelines of ``shortest`` to ``longest`` stages, one of each, can hold
+    exactly ``groups`` groups."""
+    if dp == 1:
+        return longest == shortest == groups
+    if longest == shortest:
+        return dp * longest == groups
+    rest = groups - longest - shortest
+    return (dp - 2) * shortest <= rest <= (dp - 2) * longest
+
+
+def _class_floor(
+    profile: ModelProfile, cluster: Cluster, tp: int, dp: int, choices: list[list[Pair]]
+) -> float | None:
+    """The least bound over the split sets a class of shapes can have (``every_shape_reaches``):
+    ``choices`` holds the pipelines each length can have, longest first, shortest last; those
+    two lengths are in every shape of the class, the others may be absent. None when the split
+    sets are too many to enumerate."""
+    # per length, what its pipelines can add: their splits, with the least floor among the
+    # pipelines that add those splits (the slowest of them is at least that slow)
+    added = []
+    for index, found in enumerate(choices):
+        least_by_splits: dict[frozenset[Layers], float] = {}
+        for r in range(1, len(found) + 1):
+            for chosen in combinations(found, r):
+                splits = frozenset(split for _, split in chosen)
+                floor = max(f for f, _ in chosen)
+                least_by_splits[splits] = min(floor, least_by_splits.get(splits, math.inf))
+        if 0 < index < len(choices) - 1:
+            least_by_splits[frozenset()] = 0.0
+        if not least_by_splits:
+            return math.inf  # a length every shape of the class needs has no pipeline that fits
+        added.append(tuple(least_by_splits.items()))
+    if math.prod(len(a) for a in added) > CLASS_SPLIT_SETS:
+        return None
+    key = (profile, cluster, tp, dp, tuple(added))
+    if key in _MEMO.classes:
+        _MEMO.classes.move_to_end(key)
+        return _MEMO.classes[key]
+    least = math.inf
+    for combo in itertools.product(*added):
+        splits = frozenset[Layers]().union(*(s for s, _ in combo))
+        floor = max(f for _, f in combo)
+        least = min(least, floor + split_sync_floor_s(profile, cluster, splits, dp=dp, tp=tp))
+    _remember(_MEMO.classes, key, least, MEMO_CLASSES)
+    return least
 
 
 # A simulated job or a worker's planner asks the same searches again and again: a failure
@@ -728,12 +900,14 @@ def longest_pipelines_reach(
 # budget), only sooner.
 MEMO_SEARCHES = 256
 MEMO_ORACLES = 4
+MEMO_CLASSES = 1_024
 
 
 class _Memo(threading.local):
     def __init__(self) -> None:
         self.searches: OrderedDict[tuple[Any, ...], SearchResult] = OrderedDict()
         self.oracles: OrderedDict[tuple[Any, ...], PipelineOracle] = OrderedDict()
+        self.classes: OrderedDict[tuple[Any, ...], float] = OrderedDict()
 
 
 _MEMO = _Memo()
@@ -743,6 +917,7 @@ def forget() -> None:
     """Drop this thread's remembered searches and oracles (for benchmarks that time a cold one)."""
     _MEMO.searches.clear()
     _MEMO.oracles.clear()
+    _MEMO.classes.clear()
 
 
 def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, size: int) -> None:

@@ -22,6 +22,7 @@ import itertools
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from controlplane.recovery.model import (
@@ -42,8 +43,8 @@ Links = tuple[int, tuple[bool, ...]]
 @dataclass(slots=True)
 class Replicas:
     """A same-split plan's replicas. Nothing in it changes once it is built (``rerouted``
-    copies what it changes, and the device set is only computed on its first read), so the
-    plan it describes can be asked again."""
+    copies what it changes, and the device set is the first plan's less the devices lost
+    since), so the plan it describes can be asked again."""
 
     split: tuple[LayerRange, ...]
     tp: int
@@ -59,17 +60,15 @@ class Replicas:
     links: Counter[Links]  # pipelines per ``Links``
     device_count: int
     idle: frozenset[int]  # the cluster's devices (spares too) that run no stage of their own
-    _devices: frozenset[int] | None = field(default=None, repr=False)
-    _parent: tuple[frozenset[int], frozenset[int]] | None = field(default=None, repr=False)
+    # every device that ran a stage of its own when the plan was built, and those lost since
+    base: frozenset[int] = field(default=frozenset(), repr=False)
+    dropped: frozenset[int] = field(default=frozenset(), repr=False)
 
     @property
-    def devices(self) -> frozenset[int]:
-        """Every device that runs a stage of its own (``ExecutionPlan.devices``)."""
-        if self._devices is None:
-            assert self._parent is not None
-            kept, dropped = self._parent
-            self._devices, self._parent = kept - dropped, None
-        return self._devices
+    def devices(self) -> AbstractSet[int]:
+        """Every device that runs a stage of its own (``ExecutionPlan.devices``), as a set view
+        that is not copied at every failure."""
+        return self.base if not self.dropped else Without(self.base, self.dropped)
 
     def one_node(self, stage: int) -> bool:
         """Whether the live replicas of a stage all sit on one node (or there are none)."""
@@ -77,6 +76,25 @@ class Replicas:
         if len(peers) > self.devices_per_node:
             return False  # more devices than a node holds
         return len({d // self.devices_per_node for d in peers}) <= 1
+
+
+class Without(AbstractSet[int]):
+    """A set less a few of its members, read without copying the set (131,072 devices at
+    TP 1, of which a failure drops a handful). ``dropped`` is a subset of ``base``."""
+
+    __slots__ = ("base", "dropped")
+
+    def __init__(self, base: frozenset[int], dropped: frozenset[int]) -> None:
+        self.base, self.dropped = base, dropped
+
+    def __contains__(self, device: object) -> bool:
+        return device in self.base and device not in self.dropped
+
+    def __len__(self) -> int:
+        return len(self.base) - len(self.dropped)
+
+    def __iter__(self) -> Iterator[int]:
+        return (d for d in self.base if d not in self.dropped)
 
 
 def _links(devices_per_node: int, m: int, stages: tuple[Stage, ...]) -> Links:
@@ -142,7 +160,7 @@ def build(plan: ExecutionPlan, cluster: Cluster) -> Replicas | None:
         links=links,
         device_count=count,
         idle=frozenset(range(cluster.total_devices)).difference(owner),
-        _devices=frozenset(owner),
+        base=frozenset(owner),
     )
 
 
@@ -177,26 +195,38 @@ def rerouted(
         for p in lose:
             lost[s][p] = replicas.micro_batches[p]
             gone.update(replicas.live[s][p])
-    # the pipelines whose stages change: a stage lost now, or a rerouted copy of a stage whose
-    # replicas changed
-    changed = sorted({p for s in hit for p in lost[s]})
+    # The pipelines whose stages change: a stage lost now, or a rerouted copy of a stage whose
+    # replicas changed. Every rerouted copy of a stage is the same: its live replicas' devices.
+    copies = {s: Stage(devices=peers[s], layers=replicas.split[s], rerouted=True) for s in hit}
+    changes: dict[int, list[int]] = {}
+    for s in hit:
+        for p in lost[s]:
+            changes.setdefault(p, []).append(s)
+    # A copy's links change only when its stage's first device moves to another node (or the
+    # stage is lost now): a stage that loses a replica keeps its first one, most of the time.
+    per_node = replicas.devices_per_node
+    moved = {s for s in hit if replicas.peers[s][0] // per_node != peers[s][0] // per_node}
     pipelines = list(plan.pipelines)
     links = replicas.links.copy()
-    for p in changed:
+    for p, stages_of in changes.items():
         old = pipelines[p]
-        stages = tuple(
-            Stage(devices=peers[s], layers=stage.layers, rerouted=True) if p in lost[s] else stage
-            for s, stage in enumerate(old.stages)
+        stages = list(old.stages)
+        for s in stages_of:
+            stages[s] = copies[s]
+        pipelines[p] = new_pipeline = Pipeline(
+            stages=tuple(stages), micro_batches=old.micro_batches
         )
-        pipelines[p] = Pipeline(stages=stages, micro_batches=old.micro_batches)
-        before = _links(replicas.devices_per_node, old.micro_batches, old.stages)
-        after = _links(replicas.devices_per_node, old.micro_batches, stages)
-        links[before] -= 1
-        if not links[before]:
-            del links[before]
-        links[after] += 1
+        if any(s in moved or p in hit[s] for s in stages_of):
+            before = _links(per_node, old.micro_batches, old.stages)
+            after = _links(per_node, old.micro_batches, new_pipeline.stages)
+            links[before] -= 1
+            if not links[before]:
+                del links[before]
+            links[after] += 1
     new = ExecutionPlan(pipelines=tuple(pipelines), family=Family.REROUTING)
-    kept = replicas.devices
+    base, dropped = replicas.base, replicas.dropped.union(gone)
+    if len(dropped) > len(base) // 4:  # read through often enough: copy it now
+        base, dropped = base - dropped, frozenset()
     return new, dataclasses.replace(
         replicas,
         live=live,
@@ -205,8 +235,8 @@ def rerouted(
         links=links,
         device_count=replicas.device_count - len(gone),
         idle=replicas.idle.union(gone),
-        _devices=None if gone else kept,
-        _parent=(kept, frozenset(gone)) if gone else None,
+        base=base,
+        dropped=dropped,
     )
 
 
@@ -256,7 +286,7 @@ def remember(plan: ExecutionPlan, cluster: Cluster, replicas: Replicas | None) -
         _MEMO.plans.popitem(last=False)
 
 
-def devices(plan: ExecutionPlan, cluster: Cluster) -> frozenset[int]:
+def devices(plan: ExecutionPlan, cluster: Cluster) -> AbstractSet[int]:
     """``plan.devices()``, read off its replicas where it has them."""
     found = of(plan, cluster)
     return plan.devices() if found is None else found.devices

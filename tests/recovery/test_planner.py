@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.simulator_speed import healthy_state
 from controlplane.recovery.model import Cluster, ModelProfile, Training
 from controlplane.recovery.planner import (
     PipelineOracle,
     distribute_batch,
+    distribute_runs,
+    dp_window,
     even_splits,
     forget,
     search,
@@ -44,6 +48,25 @@ def test_distribute_batch_keeps_batch_and_feeds_every_pipeline(
     assert shares is not None
     assert sum(shares) == n
     assert min(shares) >= 1
+
+
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 16), st.integers(1, 6)), min_size=1, max_size=5),
+    n=st.integers(0, 300),
+)
+def test_distribute_runs_gives_each_pipeline_its_distribute_batch_share(
+    runs: list[tuple[int, int]], n: int
+) -> None:
+    """The run-length split, expanded, is ``distribute_batch``'s, empty shares refilled too."""
+    lengths = [length for length, count in runs for _ in range(count)]
+    split = distribute_runs(n, runs)
+    expected = distribute_batch(n, lengths)
+    if expected is None:
+        assert split is None
+        return
+    assert split is not None
+    assert [length for length, _, k in split for _ in range(k)] == lengths
+    assert [m for _, m, k in split for _ in range(k)] == expected
 
 
 def test_even_splits_place_remainder_everywhere() -> None:
@@ -346,3 +369,26 @@ def test_a_remembered_search_answers_as_a_fresh_one(top_k: int) -> None:
     recomputed = search(*args, **kwargs)  # type: ignore[arg-type]
     assert (again.shapes, again.complete) == expected == (recomputed.shapes, recomputed.complete)
     assert len(expected[0]) == top_k
+
+
+def test_a_search_whose_short_pipelines_cannot_fit_finishes_within_its_budget() -> None:
+    """Llama-2-7B's 32 layers fit no pipeline of one or two stages. A re-plan of 4,096 devices
+    after 103 failures chose 1,000 or so pipelines of 32 stages first, leaving the rest to
+    pipelines that could only be that short; the search walked those subtrees until its budget
+    of 50,000 nodes was spent, with 3 shapes found. The first length that can hold a pipeline
+    bounds what the groups left must fill, and the search is proven in hundreds of nodes."""
+    state = replace(healthy_state(4096, 1 / (1.8 * 16384)), failed=frozenset(range(0, 4096, 40)))
+    groups = len(usable_groups(state))
+    found = search(
+        state.profile,
+        state.cluster,
+        state.training,
+        groups=groups,
+        tp=1,
+        dp_options=dp_window(state.plan.dp, groups),
+        top_k=9,
+        max_step_time_s=2.70,
+        node_budget=50_000,
+    )
+    assert found.complete and found.nodes < 5_000
+    assert len(found.shapes) == 9

@@ -334,18 +334,31 @@ def ring_allreduce_s(nbytes: float, group_size: int, bandwidth_bytes_per_s: floa
 def gradient_sync_floor_s(
     profile: ModelProfile, cluster: Cluster, *, groups: int, dp: int, tp: int
 ) -> float:
-    """A floor on ``gradient_sync_time`` of every plan of ``dp`` pipelines over ``groups`` groups.
+    """A floor on ``gradient_sync_time`` of every plan of ``dp`` pipelines over ``groups`` groups:
+    its shortest pipeline has at most groups // dp stages (``shortest_pipeline_sync_floor_s``).
+    """
+    if groups < dp:
+        return 0.0
+    return shortest_pipeline_sync_floor_s(profile, cluster, stages=groups // dp, dp=dp, tp=tp)
+
+
+@lru_cache(maxsize=4096)
+def shortest_pipeline_sync_floor_s(
+    profile: ModelProfile, cluster: Cluster, *, stages: int, dp: int, tp: int
+) -> float:
+    """A floor on ``gradient_sync_time`` of every plan of ``dp`` pipelines, one of which has at
+    most ``stages`` stages.
 
     Every layer is all-reduced over the dp disjoint groups holding it, and the segments one stage
     holds go in different rounds (they share its devices), so the sync takes at least one stage's
-    gradients through a ring of dp groups at the fastest bandwidth such a ring can have. The
-    shortest pipeline has at most groups // dp stages, so one of its stages holds at least
-    ceil(L / (groups // dp)) consecutive layers.
+    gradients through a ring of dp groups at the fastest bandwidth such a ring can have. A
+    pipeline of at most ``stages`` stages has a stage of at least ceil(L / stages) consecutive
+    layers.
     """
-    if cluster.communication_is_free or dp <= 1 or groups < dp:
+    if cluster.communication_is_free or dp <= 1 or stages < 1:
         return 0.0
     layers = profile.layers
-    widest = -(-layers // min(groups // dp, layers))
+    widest = -(-layers // min(stages, layers))
     least = min(profile.grad_bytes(i, i + widest) for i in range(layers - widest + 1))
     return ring_allreduce_s(least / tp, dp, _fastest_ring_bytes_per_s(cluster, dp, tp))
 

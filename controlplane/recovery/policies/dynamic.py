@@ -17,7 +17,7 @@ from controlplane.recovery.objective import expected_time_to_failure_s
 from controlplane.recovery.planner import (
     PlanShape,
     dp_window,
-    longest_pipelines_reach,
+    every_shape_reaches,
     realize,
     search,
     usable_groups,
@@ -70,8 +70,8 @@ def plan_dynamic(
     A shape whose pipelines mix layer splits syncs its gradients in rounds; the floor of its own
     splits (``split_sync_floor_s``) rules it out without a placement too, the fastest included,
     and a re-plan none of whose shapes survive that is declined the same way. When every
-    shape's longest pipeline with its sends, plus the sync every shape pays, is too slow
-    (``planner.longest_pipelines_reach``), the other shapes are not searched for at all.
+    shape's slowest pipeline with its sends, plus its gradient sync, is proven too slow
+    (``planner.every_shape_reaches``), the other shapes are not searched for at all.
     ``include_spares`` lets the re-plan use the spare devices too.
     """
     count = replicas.usable_group_count(
@@ -91,6 +91,21 @@ def plan_dynamic(
         lost_work_s=interrupted_work_s(state),
     )
     widths = dp_window(state.plan.dp, count)
+    # counted from replicas, every group has tp devices (so has every regrouped one)
+    in_groups = sum(len(g) for g in listed) if listed else count * state.plan.tp
+    t_state = expected_time_to_failure_s(state.cluster.failure_rate_per_device_hour, in_groups)
+    ratio = 1.0 if math.isinf(t_state) else t_state / (t_state + fixed.total_s)
+    if beat > 0 and _FLOORS.splits and not exhaustive:
+        # Most decisions at scale end here: no shape, whatever its pipelines, can beat ``beat``
+        # (the slowest pipeline's sends and the splits' sync prove it), so none is searched.
+        cut = state.training.global_batch / beat * ratio
+        if every_shape_falls_short(state, count, widths, cut):
+            return Candidate.declined(
+                policy,
+                Code.DOMINATED,
+                f"no re-plan beats {beat:.4g} samples/s (every re-plan's slowest pipeline with "
+                f"its sends, plus its gradient sync, takes {cut:.4g} s or more)",
+            )
     kwargs = {
         "groups": count,
         "tp": state.plan.tp,
@@ -108,10 +123,6 @@ def plan_dynamic(
             f"({state.training.micro_batches} micro-batches)",
         )
 
-    # counted from replicas, every group has tp devices (so has every regrouped one)
-    in_groups = sum(len(g) for g in listed) if listed else count * state.plan.tp
-    t_state = expected_time_to_failure_s(state.cluster.failure_rate_per_device_hour, in_groups)
-    ratio = 1.0 if math.isinf(t_state) else t_state / (t_state + fixed.total_s)
     # Every shape's step is at least its compute time plus the gradient sync all shapes pay.
     sync_floor_s = min(
         gradient_sync_floor_s(state.profile, state.cluster, groups=count, dp=dp, tp=state.plan.tp)
@@ -137,7 +148,7 @@ def plan_dynamic(
         """
         if not _FLOORS.splits:
             return math.inf
-        key = (frozenset(p.layers for p in shape.pipelines), len(shape.pipelines))
+        key = (shape.splits, len(shape.pipelines))
         if key not in split_floors:
             split_floors[key] = split_sync_floor_s(
                 state.profile, state.cluster, key[0], dp=key[1], tp=state.plan.tp
@@ -180,19 +191,13 @@ def plan_dynamic(
     to_beat = beat if best is None else best.objective
     cut = state.training.global_batch / to_beat * ratio
     if (
-        _FLOORS.splits
+        best is not None  # else ``to_beat`` is ``beat``, whose proof failed above
+        and _FLOORS.splits
         and not exhaustive
-        and longest_pipelines_fall_short(state, count, widths, cut - sync_floor_s)
+        and every_shape_falls_short(state, count, widths, cut)
     ):
-        # Every shape's longest pipeline, sends included, plus the sync every shape pays takes
-        # ``cut`` or more: no shape the window could hold beats ``to_beat``, so none is searched.
-        if best is None:
-            return Candidate.declined(
-                policy,
-                Code.DOMINATED,
-                f"no re-plan beats {beat:.4g} samples/s (every re-plan's longest pipeline with "
-                f"its sends, plus gradient sync, takes {cut:.4g} s or more)",
-            )
+        # Every shape's slowest pipeline, sends included, plus its gradient sync takes ``cut`` or
+        # more: no shape the window could hold beats the placed one, so none is searched.
         return with_caveat(best, complete)
     # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
     # window holds one more, to tell whether the cap left out a shape that could still win.
@@ -230,20 +235,20 @@ def plan_dynamic(
     return with_caveat(best, complete)
 
 
-def longest_pipelines_fall_short(
-    state: ClusterState, count: int, widths: Sequence[int], at_least_s: float
+def every_shape_falls_short(
+    state: ClusterState, count: int, widths: Sequence[int], step_s: float
 ) -> bool:
-    """Whether every re-plan over ``count`` groups, at every width, has a longest pipeline that
-    takes ``at_least_s`` or more with its sends (``planner.longest_pipelines_reach``)."""
+    """Whether every re-plan over ``count`` groups, at every width, takes ``step_s`` or more a
+    step once placed, sends and gradient sync included (``planner.every_shape_reaches``)."""
     return all(
-        longest_pipelines_reach(
+        every_shape_reaches(
             state.profile,
             state.cluster,
             state.training,
             groups=count,
             tp=state.plan.tp,
             dp=dp,
-            at_least_s=at_least_s,
+            step_s=step_s,
         )
         is True
         for dp in widths

@@ -101,7 +101,7 @@ class _Job:
 
     def fail(self, f: TraceFailure) -> None:
         self.state = replace(self.state, failed=self.state.failed.union(f.devices))
-        touched = self.plan_devices.intersection(f.devices)
+        touched = {d for d in f.devices if d in self.plan_devices}
         if not touched:
             return  # a spare or idle device: it just leaves the pool
         self.hit |= touched
