@@ -273,7 +273,7 @@
       const coarse = points.filter((p) => p.span_s > 0).length;
       rangeNote.textContent = `${points.length} points kept on the server${coarse ? `, ${coarse} of them averaged over longer spans` : ""}`;
       trim();
-      replot();
+      drawNow();
     } catch (error) {
       rangeNote.textContent = "history unavailable (the network)";
     }
@@ -288,6 +288,13 @@
     const wait = plotted + REDRAW_MS - Date.now();
     if (wait <= 0) { plot(); return; }
     pending = setTimeout(() => { pending = null; replot(); }, wait);
+  }
+  // a history asked for (the page's load, a range picked) is drawn at once, not at the next
+  // redraw: the note above the charts and the charts agree
+  function drawNow() {
+    if (document.hidden || !inSight) { stale = true; return; }
+    if (pending !== null) { clearTimeout(pending); pending = null; }
+    plot();
   }
   document.addEventListener("visibilitychange", () => { if (!document.hidden && stale) replot(); });
   if ("IntersectionObserver" in window) {
