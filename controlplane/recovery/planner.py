@@ -804,10 +804,10 @@ def every_shape_reaches(
 
     try:
         for longest in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
-            first = _pipelines_of(pairs(longest), longest=True)
+            first, required = _pipelines_of(pairs(longest), longest=True)
             if not first:
                 continue  # no pipeline of this length fits: no such shape
-            least_first = min(floor for floor, _ in first)
+            least_first = required[0] if required else min(floor for floor, _ in first)
             # shorter shortest pipelines have wider stages, whose sync takes no less: once one
             # class is ruled out so is every class below it
             for shortest in range(min(longest, groups // dp), 0, -1):
@@ -836,13 +836,17 @@ def every_shape_reaches(
 Pair = tuple[float, Layers]
 
 
-def _pipelines_of(pairs: tuple[Pair | None, Pair | None, bool], *, longest: bool) -> list[Pair]:
-    """The pipelines a length can have in a shape: with its share or with a leftover; only the
-    latter when it is the shape's longest and its share is not exact."""
+def _pipelines_of(
+    pairs: tuple[Pair | None, Pair | None, bool], *, longest: bool
+) -> tuple[list[Pair], Pair | None]:
+    """The pipelines a length can have in a shape, with its share or with a leftover, and the
+    one every such shape has: the leftover's, when it is the shape's longest and its share is
+    not exact (its other pipelines may still run their share alone). No pipelines where the one
+    every shape needs does not fit."""
     share, leftover, exact = pairs
     if longest and not exact:
-        return [] if leftover is None else [leftover]
-    return [p for p in (share, leftover) if p is not None]
+        return ([], None) if leftover is None else ([p for p in (share, leftover) if p], leftover)
+    return [p for p in (share, leftover) if p is not None], None
 
 
 def _class_possible(groups: int, dp: int, longest: int, shortest: int) -> bool:
@@ -857,19 +861,25 @@ def _class_possible(groups: int, dp: int, longest: int, shortest: int) -> bool:
 
 
 def _class_floor(
-    profile: ModelProfile, cluster: Cluster, tp: int, dp: int, choices: list[list[Pair]]
+    profile: ModelProfile,
+    cluster: Cluster,
+    tp: int,
+    dp: int,
+    choices: list[tuple[list[Pair], Pair | None]],
 ) -> float | None:
     """The least bound over the split sets a class of shapes can have (``every_shape_reaches``):
-    ``choices`` holds the pipelines each length can have, longest first, shortest last; those
-    two lengths are in every shape of the class, the others may be absent. None when the split
-    sets are too many to enumerate."""
+    ``choices`` holds the pipelines each length can have and the one it must (``_pipelines_of``),
+    longest first, shortest last; those two lengths are in every shape of the class, the others
+    may be absent. None when the split sets are too many to enumerate."""
     # per length, what its pipelines can add: their splits, with the least floor among the
     # pipelines that add those splits (the slowest of them is at least that slow)
     added = []
-    for index, found in enumerate(choices):
+    for index, (found, required) in enumerate(choices):
         least_by_splits: dict[frozenset[Layers], float] = {}
         for r in range(1, len(found) + 1):
             for chosen in combinations(found, r):
+                if required is not None and required not in chosen:
+                    continue
                 splits = frozenset(split for _, split in chosen)
                 floor = max(f for f, _ in chosen)
                 least_by_splits[splits] = min(floor, least_by_splits.get(splits, math.inf))
