@@ -762,8 +762,8 @@ def every_shape_reaches(
     plus its gradient sync.
 
     Returns False where one might not, None where this cannot tell (fewer micro-batches than
-    groups, a class of too many split sets, or an oracle answer a budget cut short: the search
-    would be incomplete too).
+    groups, a class of too many split sets, an oracle answer a budget cut short: the search
+    would be incomplete too; or no pipeline long enough fits, where the search says why).
 
     Such a shape uses every group. With at least as many micro-batches N as groups G, a pipeline
     of S stages gets its share N·S // G or one more (the leftovers, fewer than the pipelines, go
@@ -802,11 +802,13 @@ def every_shape_reaches(
             by_length[length] = (found[0], found[1], rest == 0)
         return by_length[length]
 
+    fits = False  # some longest pipeline fits: without one there is no shape to bound
     try:
         for longest in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
             first, required = _pipelines_of(pairs(longest), longest=True)
             if not first:
                 continue  # no pipeline of this length fits: no such shape
+            fits = True
             least_first = required[0] if required else min(floor for floor, _ in first)
             # shorter shortest pipelines have wider stages, whose sync takes no less: once one
             # class is ruled out so is every class below it
@@ -827,7 +829,7 @@ def every_shape_reaches(
                     return None
                 if least < step_s:
                     return None if oracle.incomplete else False
-        return None if oracle.incomplete else True
+        return None if oracle.incomplete or not fits else True
     finally:
         oracle.incomplete = oracle.incomplete or earlier
 
