@@ -76,16 +76,21 @@ class PlanShape:
 
     pipelines: tuple[PipelineShape, ...]
     compute_time_s: float
-    # its pipelines' distinct layer splits where the search knew them: at scale a shape holds
-    # tens of thousands of pipelines and a handful of splits
-    known_splits: frozenset[Layers] | None = field(default=None, compare=False, repr=False)
+    # its distinct pipelines where the search knew them: at scale a shape holds tens of
+    # thousands of pipelines and a handful of kinds
+    known_kinds: frozenset[PipelineShape] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def kinds(self) -> frozenset[PipelineShape]:
+        """Its distinct pipelines (layer split and micro-batches)."""
+        if self.known_kinds is not None:
+            return self.known_kinds
+        return frozenset(self.pipelines)
 
     @property
     def splits(self) -> frozenset[Layers]:
         """Its pipelines' distinct layer splits."""
-        if self.known_splits is not None:
-            return self.known_splits
-        return frozenset(p.layers for p in self.pipelines)
+        return frozenset(p.layers for p in self.kinds)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -437,8 +442,8 @@ class _Search:
     budget: float
     deadline: float
     spread: int | None
-    # heap of the top_k, worst on top: (-time, the runs of lengths as (-length, -count), shape)
-    found: list[tuple[float, tuple[tuple[int, int], ...], PlanShape]]
+    # heap of the top_k, worst on top: (-time, the runs of lengths as (-length, -count), leaf)
+    found: list[tuple[float, tuple[tuple[int, int], ...], Leaf]]
     nodes: int = 0
     shortest: int = 1
     stopped: bool = False
@@ -618,13 +623,8 @@ class _Search:
         if len(self.found) >= self.top_k and rank <= self.found[0][:2]:
             return
         shape_of = {pair: PipelineShape(best[1], pair[1]) for pair, best in best_of.items()}
-        pipelines = tuple(
-            itertools.chain.from_iterable(
-                itertools.repeat(shape_of[(length, m)], n) for length, m, n in split
-            )
-        )
-        splits = frozenset(best[1] for best in best_of.values())
-        entry = (*rank, PlanShape(pipelines, step, splits))
+        # the shape's tens of thousands of pipelines are listed for the shapes kept at the end
+        entry = (*rank, Leaf(tuple(split), shape_of, step))
         if len(self.found) < self.top_k:
             heapq.heappush(self.found, entry)
         else:
@@ -632,6 +632,24 @@ class _Search:
         if len(self.found) >= self.top_k and not self.exhaustive:
             self.threshold = min(self.threshold, -self.found[0][0])
             self.strict = True
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """A shape the search keeps, as runs of (length, micro-batches, pipelines) and the pipeline
+    each (length, micro-batches) pair gets; ``shape`` lists its pipelines."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    pipeline_of: dict[tuple[int, int], PipelineShape]
+    time_s: float
+
+    def shape(self) -> PlanShape:
+        pipelines = tuple(
+            itertools.chain.from_iterable(
+                itertools.repeat(self.pipeline_of[(length, m)], n) for length, m, n in self.runs
+            )
+        )
+        return PlanShape(pipelines, self.time_s, frozenset(self.pipeline_of.values()))
 
 
 def distribute_runs(
@@ -733,7 +751,7 @@ def search(
             state.partitions(dp)
     ranked = sorted(state.found, key=lambda e: e[:2], reverse=True)
     result = SearchResult(
-        shapes=[shape for _, _, shape in ranked],
+        shapes=[leaf.shape() for _, _, leaf in ranked],
         complete=not state.stopped and not oracle.incomplete,
         nodes=state.nodes,
     )
@@ -781,53 +799,69 @@ def every_shape_reaches(
         return None
     oracle = _oracle(profile, cluster.device_memory_bytes, tp, False)
     earlier, oracle.incomplete = oracle.incomplete, False
-    by_length: dict[int, tuple[Pair | None, Pair | None, bool]] = {}
+    found: dict[tuple[int, int], Pair | None] = {}
     floors = oracle.floors  # a pipeline's floor with its sends, by cluster, split and m
 
-    def pairs(length: int) -> tuple[Pair | None, Pair | None, bool]:
-        """A pipeline of this length with its share and with a leftover, as (floor with sends,
-        split), None where no split fits; and whether its share is exact."""
-        if length not in by_length:
-            share, rest = divmod(n * length, groups)
-            found: list[Pair | None] = []
-            for m in (share, share + 1):
-                best = oracle.best(length, m)
-                if best is None:
-                    found.append(None)
-                    continue
+    def pair(length: int, m: int) -> Pair | None:
+        """A pipeline of this length and micro-batches: (floor with sends, split), None where
+        no split fits. Asked only as needed: a long pipeline's best split is costly cold."""
+        if (length, m) not in found:
+            best = oracle.best(length, m)
+            if best is None:
+                found[(length, m)] = None
+            else:
                 key = (cluster, best[1], m)
                 if key not in floors:
                     floors[key] = pipeline_floor_s(profile, cluster, best[1], m, tp)
-                found.append((floors[key], best[1]))
-            by_length[length] = (found[0], found[1], rest == 0)
-        return by_length[length]
+                found[(length, m)] = (floors[key], best[1])
+        return found[(length, m)]
+
+    def pipelines_of(length: int, *, longest: bool) -> tuple[list[Pair], Pair | None]:
+        """The pipelines a length can have in a shape, with its share or with a leftover, and
+        the one every such shape has: the leftover's, when it is the shape's longest and its
+        share is not exact (its other pipelines may still run their share alone). No pipelines
+        where the one every shape needs does not fit."""
+        share, rest = divmod(n * length, groups)
+        leftover = pair(length, share + 1)
+        if longest and rest and leftover is None:
+            return [], None
+        both = [p for p in (pair(length, share), leftover) if p is not None]
+        return both, leftover if longest and rest else None
+
+    def least_first(length: int) -> float | None:
+        """The least floor of a shape's longest pipeline of this length; None if none fits."""
+        share, rest = divmod(n * length, groups)
+        if rest:
+            leftover = pair(length, share + 1)
+            return None if leftover is None else leftover[0]
+        fitting = [p[0] for p in (pair(length, share), pair(length, share + 1)) if p]
+        return min(fitting) if fitting else None
 
     fits = False  # some longest pipeline fits: without one there is no shape to bound
     try:
         for longest in range(-(-groups // dp), min(profile.layers, groups - dp + 1) + 1):
-            first, required = _pipelines_of(pairs(longest), longest=True)
-            if not first:
+            least = least_first(longest)
+            if least is None:
                 continue  # no pipeline of this length fits: no such shape
             fits = True
-            least_first = required[0] if required else min(floor for floor, _ in first)
             # shorter shortest pipelines have wider stages, whose sync takes no less: once one
             # class is ruled out so is every class below it
             for shortest in range(min(longest, groups // dp), 0, -1):
                 sync = shortest_pipeline_sync_floor_s(
                     profile, cluster, stages=shortest, dp=dp, tp=tp
                 )
-                if least_first + sync >= step_s:
+                if least + sync >= step_s:
                     break
                 if not _class_possible(groups, dp, longest, shortest):
                     continue
                 choices = [
-                    _pipelines_of(pairs(length), longest=length == longest)
+                    pipelines_of(length, longest=length == longest)
                     for length in range(longest, shortest - 1, -1)
                 ]
-                least = _class_floor(profile, cluster, tp, dp, choices)
-                if least is None:
+                bound = _class_floor(profile, cluster, tp, dp, choices)
+                if bound is None:
                     return None
-                if least < step_s:
+                if bound < step_s:
                     return None if oracle.incomplete else False
         return None if oracle.incomplete or not fits else True
     finally:
@@ -836,19 +870,6 @@ def every_shape_reaches(
 
 # A pipeline's floor with its sends, and its layer split.
 Pair = tuple[float, Layers]
-
-
-def _pipelines_of(
-    pairs: tuple[Pair | None, Pair | None, bool], *, longest: bool
-) -> tuple[list[Pair], Pair | None]:
-    """The pipelines a length can have in a shape, with its share or with a leftover, and the
-    one every such shape has: the leftover's, when it is the shape's longest and its share is
-    not exact (its other pipelines may still run their share alone). No pipelines where the one
-    every shape needs does not fit."""
-    share, leftover, exact = pairs
-    if longest and not exact:
-        return ([], None) if leftover is None else ([p for p in (share, leftover) if p], leftover)
-    return [p for p in (share, leftover) if p is not None], None
 
 
 def _class_possible(groups: int, dp: int, longest: int, shortest: int) -> bool:
@@ -870,7 +891,7 @@ def _class_floor(
     choices: list[tuple[list[Pair], Pair | None]],
 ) -> float | None:
     """The least bound over the split sets a class of shapes can have (``every_shape_reaches``):
-    ``choices`` holds the pipelines each length can have and the one it must (``_pipelines_of``),
+    ``choices`` holds the pipelines each length can have and the one it must (``pipelines_of``),
     longest first, shortest last; those two lengths are in every shape of the class, the others
     may be absent. None when the split sets are too many to enumerate."""
     # per length, what its pipelines can add: their splits, with the least floor among the
