@@ -831,10 +831,9 @@ def every_shape_reaches(
     def least_first(length: int) -> float | None:
         """The least floor of a shape's longest pipeline of this length; None if none fits."""
         share, rest = divmod(n * length, groups)
-        if rest:
-            leftover = pair(length, share + 1)
-            return None if leftover is None else leftover[0]
-        fitting = [p[0] for p in (pair(length, share), pair(length, share + 1)) if p]
+        # it takes a leftover when its share is not exact: only then is its share's split unasked
+        shares = (share + 1,) if rest else (share, share + 1)
+        fitting = [p[0] for m in shares if (p := pair(length, m)) is not None]
         return min(fitting) if fitting else None
 
     fits = False  # some longest pipeline fits: without one there is no shape to bound
