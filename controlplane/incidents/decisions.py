@@ -679,6 +679,37 @@ def what_if(job: Job, *, devices: Iterable[int], kind: str = "crash") -> dict[st
     )
 
 
+# --- readying ------------------------------------------------------------------------------
+
+
+def ready(job_id: int) -> bool:
+    """Ready this process's planner for the job before its first failure: the loss of its
+    first node with no device down, planned and dropped (``what_if``). The core remembers the
+    pipelines it timed for the job's model and the shapes it searched for one node fewer
+    (``recovery.planner``), as Oobleck makes its pipeline templates when a job starts, so the
+    first real failure is planned as fast as later ones: at 16,384 devices, 3.3 s cold and
+    0.6 s readied, whichever node is lost (docs/architecture.md). False when there is nothing
+    to ready: no such job, one that is not running, one whose decision is open (its planning
+    readies it), or one the core cannot plan for (logged)."""
+    job = Job.objects.filter(pk=job_id, status=JobStatus.RUNNING).first()
+    if job is None or RecoveryDecision.objects.filter(job=job, status__in=OPEN).exists():
+        return False
+    down = failed_devices(job)
+    by_node: dict[int, list[int]] = {}
+    for node, device in Device.objects.filter(job=job).values_list("node__index", "index"):
+        by_node.setdefault(node, []).append(device)
+    up = [devices for _, devices in sorted(by_node.items()) if not down & set(devices)]
+    if not up:
+        return False
+    try:
+        what_if(job, devices=up[0], kind=FailureKind.NODE_LOST)
+    except rows.RecoveryError as exc:
+        log.info("planner.not_readied", job=job_id, error=str(exc))
+        return False
+    log.info("planner.readied", job=job_id)
+    return True
+
+
 __all__ = [
     "FailureSource",
     "IllegalTransition",
@@ -687,6 +718,7 @@ __all__ = [
     "dismiss",
     "override",
     "plan",
+    "ready",
     "record_failure",
     "transition",
     "what_if",

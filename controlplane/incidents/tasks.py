@@ -95,6 +95,23 @@ def apply_after_deadline(decision_id: int) -> str:
         return decisions.apply_after_deadline(decision_id)
 
 
+@app.task(ignore_result=True, name="incidents.ready_planner")
+def ready_planner(job_id: int) -> bool:
+    """Ready the planner of this worker process for the job (``decisions.ready``): a job that
+    starts running, or whose scenario its script's profile changed."""
+    with collector_paused():
+        return decisions.ready(job_id)
+
+
+def enqueue_readying(job_id: int) -> None:
+    """Hand the job's readying to a worker; lost with the broker down (its first failure is
+    then planned cold, as it was before readying)."""
+    try:
+        ready_planner.delay(job_id)
+    except (OperationalError, RedisError, OSError) as exc:
+        log.warning("planner.ready_enqueue_failed", job=job_id, error=str(exc))
+
+
 # A webhook that keeps failing is tried this many times more, waiting 1, 2, 4 ... 60 s between.
 NOTIFY_RETRIES = 10
 

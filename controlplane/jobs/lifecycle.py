@@ -12,8 +12,10 @@ The detector's sweep (``jobs.detector``) applies the deadlines; the agent's sock
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Count, Max, Q
 from django.utils import timezone
 
@@ -37,10 +39,17 @@ def join_deadline_s() -> float:
     return float(settings.PITSTOP_JOIN_DEADLINE_S)
 
 
-def joined(*, job_id: int, node_id: int, node_status: str | None = None) -> bool:
+def joined(
+    *,
+    job_id: int,
+    node_id: int,
+    node_status: str | None = None,
+    started: Callable[[int], None] | None = None,
+) -> bool:
     """The node's agent said hello: the node has joined, and its job runs. The job's first
     hello (after ``pending``, ``stale`` or ``stopped``) starts the join deadline of its nodes
-    still expected again: their agents are started with the first one, not with the job.
+    still expected again: their agents are started with the first one, not with the job, and
+    calls ``started`` with the job's id after the commit (the planner readied for it).
     True when the node had failed (lost, or never joined): it comes back as a new member, the
     lost host restarted or a replacement in its place (``decisions.node_came_back``).
     ``node_status``: the node's, when the caller has just read it (the hello has)."""
@@ -53,6 +62,8 @@ def joined(*, job_id: int, node_id: int, node_status: str | None = None) -> bool
     # queue a thousand agents' hellos behind each other's database locks
     if resumable.exists() and resumable.update(status=JobStatus.RUNNING):
         Node.objects.filter(job_id=job_id, status=NodeStatus.EXPECTED).update(expected_at=now)
+        if started is not None:
+            transaction.on_commit(lambda: started(job_id))
     return node_status == NodeStatus.FAILED
 
 

@@ -59,7 +59,7 @@ from redis.exceptions import RedisError
 from controlplane.bridge.rows import InvalidScenario
 from controlplane.incidents import applying, decisions, drills
 from controlplane.incidents.models import FailureSource
-from controlplane.incidents.tasks import enqueue_planning
+from controlplane.incidents.tasks import enqueue_planning, enqueue_readying
 from controlplane.jobs import lifecycle, liveness, services, snapshot
 from controlplane.jobs.models import (
     AgentToken,
@@ -215,7 +215,9 @@ def _hello(frame: protocol.Hello) -> Opened:
             field="devices",
         )
     # joined; the first agent to arrive (again) runs the job, one recovering keeps its status
-    came_back = lifecycle.joined(job_id=job.pk, node_id=node_id, node_status=status)
+    came_back = lifecycle.joined(
+        job_id=job.pk, node_id=node_id, node_status=status, started=enqueue_readying
+    )
     session = Session(job.pk, job.name, node_id, frame.node, frozenset(owned), token.pk)
     first = status == NodeStatus.EXPECTED
     return Opened(session, applying.unfinished(node_id), came_back, first)
@@ -262,10 +264,13 @@ def _profiled(session: Session, frame: protocol.Profile) -> bool:
     recovery is open); a measurement that cannot fit is refused, naming its field."""
     _refuse_if_revoked(session)
     try:
-        return services.take_profile(session.job_id, frame)
+        taken = services.take_profile(session.job_id, frame)
     except InvalidScenario as exc:
         message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
         raise ProtocolError(ErrorCode.INVALID, message, field=exc.field) from exc
+    if taken:  # a new scenario: what the planner remembered of the old one does not serve it
+        enqueue_readying(session.job_id)
+    return taken
 
 
 def _lost(losses: list[Loss]) -> None:

@@ -359,6 +359,30 @@ async def test_a_second_connection_replaces_the_first_without_a_failure() -> Non
     assert await closed_with(second) == 1000
 
 
+async def test_the_hello_that_starts_a_job_readies_its_planner_and_no_other_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readied: list[int] = []
+    monkeypatch.setattr(agent_socket, "enqueue_readying", readied.append)
+    job, token = await new_job()
+    sockets = []
+    for node, devices in (("node-0", [0, 1, 2, 3]), ("node-1", [4, 5, 6, 7])):
+        socket = await connect()
+        await socket.send_to(hello(job, token, node, devices))
+        assert (await said(socket))["type"] == "welcome"
+        sockets.append(socket)
+    assert readied == [job.pk]
+    for socket in sockets:
+        await socket.send_to(protocol.encode(protocol.Goodbye()))
+        assert await closed_with(socket) == 1000
+    # every node gone, the job stopped: its next hello starts it again, and readies it again
+    again = await connect()
+    await again.send_to(hello(job, token))
+    assert (await said(again))["type"] == "welcome"
+    assert readied == [job.pk, job.pk]
+    await again.disconnect()
+
+
 # --- the heartbeat deadline ------------------------------------------------------------------
 
 

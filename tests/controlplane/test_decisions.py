@@ -385,6 +385,60 @@ def test_what_if_plans_without_touching_the_job() -> None:
         decisions.what_if(job, devices=[10])
 
 
+# --- readying ------------------------------------------------------------------------------
+
+
+def running_job(mode: str = ApprovalMode.AUTO, **kwargs: Any) -> Job:
+    """A running job of three nodes: devices 0-3, 4-7, and the spares 8-9."""
+    data = scenario()
+    data["cluster"]["devices_per_node"] = 4
+    job, _ = create_job(f"running-{Job.objects.count()}", data, approval_mode=mode, **kwargs)
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING)
+    return Job.objects.get(pk=job.pk)
+
+
+def test_readying_plans_the_first_nodes_loss_writes_nothing_and_leaves_the_planner_warm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from controlplane.recovery import planner
+
+    job = running_job(enabled_policies=["dynamic", "odyssey"])
+    asked: list[list[int]] = []
+    real = decisions.what_if
+
+    def what_if(job: Job, *, devices: Any, kind: str = "crash") -> dict[str, Any]:
+        asked.append(sorted(devices))
+        assert kind == "node_lost"
+        return real(job, devices=devices, kind=kind)
+
+    monkeypatch.setattr(decisions, "what_if", what_if)
+    counts = (Failure.objects.count(), RecoveryDecision.objects.count(), events(job))
+    planner.forget()
+    assert decisions.ready(job.pk)
+    assert planner._MEMO.searches  # the shapes for one node fewer, remembered
+    # node-0 with a device down: node-1's loss instead
+    Device.objects.filter(job=job, index=3).update(state=DeviceState.FAILED)
+    assert decisions.ready(job.pk)
+    assert asked == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert counts == (Failure.objects.count(), RecoveryDecision.objects.count(), events(job))
+    # what a warm planner answers is what a cold one does
+    warm = real(job, devices=[8, 9])
+    planner.forget()
+    cold = real(job, devices=[8, 9])
+    assert warm.pop("search_time_s") >= 0 and cold.pop("search_time_s") >= 0
+    assert cold == warm and cold["candidates"]
+
+
+def test_nothing_is_readied_for_a_job_not_running_or_planning_already() -> None:
+    idle = new_job()
+    assert idle.status != JobStatus.RUNNING and not decisions.ready(idle.pk)
+    assert not decisions.ready(idle.pk + 1000)  # no such job
+    job = running_job(mode=ApprovalMode.MANUAL)
+    fail(job, 3)
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING)  # as if still running
+    assert not decisions.ready(job.pk)  # its open decision's planning readies it
+
+
 # --- nothing is lost to a broker or worker restart -----------------------------------------
 
 

@@ -73,13 +73,23 @@ async def settled(job: Job, check: Any) -> Job:
     raise AssertionError("the job never changed")
 
 
-async def test_a_profile_makes_a_launcher_jobs_model_and_fits_its_plans() -> None:
+async def test_a_profile_makes_a_launcher_jobs_model_and_fits_its_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readied: list[int] = []
+    monkeypatch.setattr(streaming_agent, "enqueue_readying", readied.append)
     job, socket = await joined(launcher_scenario(), [0])
+    assert readied == [job.pk]  # the hello that started it
     try:
         await socket.send_to(profile(sync_bytes=34052.0, sync_s=0.001, sync_members=2))
         now = await settled(job, lambda j: j.scenario["model"]["layers"] == 3)
+        for _ in range(100):  # readied again for the new scenario, once it is stored
+            if len(readied) == 2:
+                break
+            await database_sync_to_async(time.sleep)(0.02)
     finally:
         await socket.disconnect()
+    assert readied == [job.pk, job.pk]
     model = now.scenario["model"]
     assert model["name"] == "train.py (measured by the script)"
     assert model["fwd_s"] == [m["fwd_s"] for m in MODULES]
@@ -123,7 +133,11 @@ async def test_a_profile_that_cannot_fit_is_refused_naming_its_field_and_changes
     assert (await reloaded(few)).scenario == few.scenario
 
 
-async def test_a_profile_sent_while_a_recovery_is_open_waits_for_the_next() -> None:
+async def test_a_profile_sent_while_a_recovery_is_open_waits_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readied: list[int] = []
+    monkeypatch.setattr(streaming_agent, "enqueue_readying", readied.append)
     job, socket = await joined(launcher_scenario(), [0])
 
     @database_sync_to_async
@@ -148,6 +162,7 @@ async def test_a_profile_sent_while_a_recovery_is_open_waits_for_the_next() -> N
     finally:
         await socket.disconnect()
     assert (await reloaded(job)).scenario == job.scenario
+    assert readied == [job.pk]  # by the hello only: nothing new to ready for
 
 
 async def test_a_socket_that_sends_profiles_in_a_loop_has_one_taken_per_interval() -> None:
