@@ -60,7 +60,7 @@ LAG_KEY = f"{PREFIX}:ingest_lag"  # histogram of the ingest lag: bucket bound (s
 LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
 # How long the writer waits for more heartbeats before it writes.
-LINGER_S = 0.002
+LINGER_S = 0.005
 # Server processes whose event loop fell behind, scored by when that stops counting (server
 # clock): a loop late by more than this many deadlines holds heartbeats back long enough to make
 # a node look silent, and the detector then judges only long silences (``jobs.detector``).
@@ -208,6 +208,11 @@ class Writer:
         try:
             await asyncio.sleep(LINGER_S)
             while self.queued or self.delivered:
+                if self.since is not None:
+                    # what came while the last batch was written lingers too: at 2,048 agents'
+                    # beats, batches written back to back held three beats each, and their
+                    # round trips were a seventh of the server's time
+                    await asyncio.sleep(max(self.since + LINGER_S - time.monotonic(), 0))
                 batch, self.queued = self.queued, {}
                 delivered, self.delivered = self.delivered, {}
                 sent, self.sent = self.sent, []

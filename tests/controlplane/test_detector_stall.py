@@ -234,6 +234,39 @@ async def test_beats_read_late_from_several_sockets_say_behind_and_one_late_agen
 
 
 @pytest.mark.asyncio
+async def test_beats_that_keep_coming_are_written_a_batch_a_linger_not_back_to_back(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steady stream of beats is written a batch every ``LINGER_S``: written back to back as
+    they came, batches held three beats each at 2,048 agents, and their round trips were a
+    seventh of the server's time. Every beat is still written."""
+    monkeypatch.setattr(liveness, "LINGER_S", 0.05)
+    writer = liveness.Writer(redis, name="steady")
+    batches: list[int] = []
+    write = writer._write
+
+    async def counted(batch: Any, sent: list[float], *rest: Any) -> None:
+        batches.append(len(sent))
+        await write(batch, sent, *rest)
+
+    monkeypatch.setattr(writer, "_write", counted)
+    started, sent = time.monotonic(), 0
+    try:
+        while time.monotonic() - started < 0.5:
+            now = time.time()
+            writer.beat(1, f"node-{sent}", now, "{}", now, sent)
+            sent += 1
+            await asyncio.sleep(0.001)
+        await writer.settle()
+        elapsed = time.monotonic() - started
+        assert sum(batches) == sent > 100
+        assert await redis.zcard(liveness.seen_key(1)) == sent
+        assert len(batches) <= elapsed / liveness.LINGER_S + 2, batches
+    finally:
+        await redis.delete(liveness.seen_key(1), liveness.frames_key(1), liveness.steps_key(1))
+
+
+@pytest.mark.asyncio
 async def test_a_socket_read_late_makes_its_server_behind_and_the_detector_holds(
     redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
