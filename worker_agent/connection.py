@@ -182,6 +182,11 @@ class Uplink:
             )
             await ws.send(protocol.encode(hello))
             welcome = protocol.parse_server_frame(await asyncio.wait_for(ws.recv(), 30))
+            if isinstance(welcome, protocol.Error) and welcome.code is protocol.ErrorCode.TIMEOUT:
+                # sent, but not read within the server's deadline: a server too busy (thousands
+                # of agents saying hello at once), not a refusal; this node gave up for good on
+                # it, and the job missed it at the join deadline
+                raise TimeoutError(f"the server did not read hello in time: {welcome.message}")
             if isinstance(welcome, protocol.Error):
                 log.error("%s refused: [%s] %s", self.node, welcome.code, welcome.message)
                 self.refused = welcome
