@@ -208,11 +208,14 @@ class Writer:
         try:
             await asyncio.sleep(LINGER_S)
             while self.queued or self.delivered:
-                if self.since is not None:
+                wait = LINGER_S - (time.monotonic() - self.since) if self.since else 0.0
+                if wait > 0:
                     # what came while the last batch was written lingers too: at 2,048 agents'
                     # beats, batches written back to back held three beats each, and their
-                    # round trips were a seventh of the server's time
-                    await asyncio.sleep(max(self.since + LINGER_S - time.monotonic(), 0))
+                    # round trips were a seventh of the server's time. Not a turn more when the
+                    # oldest beat waited long enough: a loop a second late (thousands of hellos)
+                    # would hold every batch a second longer
+                    await asyncio.sleep(wait)
                 batch, self.queued = self.queued, {}
                 delivered, self.delivered = self.delivered, {}
                 sent, self.sent = self.sent, []
