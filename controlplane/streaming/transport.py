@@ -32,8 +32,8 @@ def close_failed_connections() -> None:
     class QuietProtocol(protocol):
         def dataReceived(self, data: bytes) -> None:  # Twisted's name
             # autobahn's own formats a debug line for every read, the method's name styled
-            # for a terminal, whether or not debug is logged: a twentieth of a server's time
-            # at 2,048 agents' heartbeats
+            # for a terminal, whether or not debug is logged: 9 µs a read, about 2 % of a
+            # server's time at 2,048 agents' heartbeats
             self._dataReceived(data)
 
     class ClosingFactory(base):
