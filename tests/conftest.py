@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import pytest_timeout
+
+
+def _and_the_loops_tasks(dump: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """pytest-timeout's report of a test that hangs, after what its event loop waits on: the
+    threads' stacks it prints show a loop idle in its poll, not which task never ends."""
+
+    def reported(item: Any, settings: Any) -> None:
+        __tracebackhide__ = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            for task in asyncio.all_tasks(loop):
+                print(f"--- pending {task!r}", file=sys.stderr)
+                task.print_stack(limit=12, file=sys.stderr)
+        dump(item, settings)
+
+    return reported
+
+
+pytest_timeout.timeout_sigalrm = _and_the_loops_tasks(pytest_timeout.timeout_sigalrm)
 
 
 @pytest.fixture(autouse=True)

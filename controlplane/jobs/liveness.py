@@ -91,6 +91,10 @@ DELIVERED_KEPT_S = 3600.0
 # burst of agents saying hello is then slower, not lost.
 POOL_SIZE = 64
 POOL_WAIT_S = 10.0
+# The longest an asynchronous client waits to connect, or to close a connection: redis-py waits
+# for a closed socket's end (``StreamWriter.wait_closed``) with no bound by default, and that
+# wait can hang (redis/redis-py#3941), holding up whatever closes the client after it.
+CONNECT_TIMEOUT_S = 5.0
 
 
 def deadline_s() -> float:
@@ -106,7 +110,11 @@ def quiet_s() -> float:
 
 def client(size: int = POOL_SIZE) -> aioredis.Redis:
     pool = aioredis.BlockingConnectionPool.from_url(
-        settings.REDIS_URL, decode_responses=True, max_connections=size, timeout=POOL_WAIT_S
+        settings.REDIS_URL,
+        decode_responses=True,
+        max_connections=size,
+        timeout=POOL_WAIT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
     )
     return aioredis.Redis(connection_pool=pool)
 
@@ -232,6 +240,11 @@ class Writer:
                     self.writing_done = None
         finally:
             self.flushing = None
+            if self.queued_done is not None and not self.queued_done.done():
+                # cancelled (the loop closing) before the queue was written: who waits for it
+                # is told, not left awaiting a write no task will make
+                self.queued_done.cancel()
+                self.queued_done = None
 
     def held_s(self) -> float:
         """How long the oldest beat not yet written has waited (0: none waits)."""

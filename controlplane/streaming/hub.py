@@ -30,6 +30,8 @@ import structlog
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from controlplane.jobs import liveness
+
 log = structlog.get_logger(__name__)
 
 # What a process subscribes to: every node channel of this deployment, and only of this one.
@@ -106,7 +108,9 @@ class Hub:
         restart (messages published meanwhile are lost, which the senders allow for)."""
         backoff = 0.1
         while self.handlers:
-            client = aioredis.Redis.from_url(settings.REDIS_URL)
+            client = aioredis.Redis.from_url(
+                settings.REDIS_URL, socket_connect_timeout=liveness.CONNECT_TIMEOUT_S
+            )
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(PATTERN)

@@ -267,6 +267,30 @@ async def test_beats_that_keep_coming_are_written_a_batch_a_linger_not_back_to_b
 
 
 @pytest.mark.asyncio
+async def test_who_waits_for_a_write_the_closing_loop_cancelled_is_told_not_left_waiting(
+    redis: Any,
+) -> None:
+    """The event loop closing cancels the writer while a beat lingers: a goodbye waiting for
+    that write (``settle``) is cancelled with it, not left awaiting a write no task will make,
+    which would hold the loop's close (it waits for every cancelled task) forever."""
+    writer = liveness.Writer(redis, name="cancelled")
+    writer.beat(1, "node-0", time.time(), "{}", time.time(), None)
+    waiting = asyncio.create_task(writer.settle())
+    await asyncio.sleep(0)  # settle waits for the queue as it stands
+    assert writer.flushing is not None and writer.queued_done is not None
+    writer.flushing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, timeout=2)
+    assert writer.flushing is None
+    writer.beat(1, "node-0", time.time(), "{}", time.time(), None)  # a later beat is written
+    try:
+        await asyncio.wait_for(writer.settle(), timeout=2)
+        assert await redis.zscore(liveness.seen_key(1), "node-0") is not None
+    finally:
+        await redis.delete(liveness.seen_key(1), liveness.frames_key(1), liveness.steps_key(1))
+
+
+@pytest.mark.asyncio
 async def test_a_socket_read_late_makes_its_server_behind_and_the_detector_holds(
     redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
