@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-import pytest_timeout
+import pytest_timeout  # type: ignore[import-untyped]
 
 
 def _and_the_loops_tasks(dump: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
