@@ -7,6 +7,7 @@ read back into core objects (``decision_from_dict``) and shown by the API as it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from controlplane.recovery.codec import (
     validate_plan,
 )
 from controlplane.recovery.decision import Decision, decide, grow
-from controlplane.recovery.errors import InvalidScenario, RecoveryError
+from controlplane.recovery.errors import InvalidScenario, RecoveryError, Superseded
 from controlplane.recovery.measured import measured_name, model_section, ring_gbps
 from controlplane.recovery.measured import with_measurement as _with_measurement
 from controlplane.recovery.model import ClusterState, Failure, FailureKind
@@ -29,6 +30,8 @@ from controlplane.recovery.policies import get as get_policy
 __all__ = [
     "InvalidScenario",
     "RecoveryError",
+    "Scenario",
+    "Superseded",
     "check_policies",
     "cluster_layout",
     "decide_for",
@@ -102,23 +105,29 @@ def decide_for(
     policies: list[str],
     restartable: set[int] | None = None,
     grows: bool = False,
+    parsed: Scenario | None = None,
+    stale: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Every enabled policy's candidates for a failure of ``devices`` (codec decision dict);
     ``grows``: whether the running job takes back the devices it lost to that failure, now
     healthy (the core's ``grow``: the running plan kept, first, or the policies' growths).
 
-    ``failed`` is every device down now, the failure's included. No row is read or written:
-    the caller stores the answer (or shows it, for a what-if).
+    ``failed`` is every device down now, the failure's included. No row is read or written
+    here: the caller stores the answer (or shows it, for a what-if). ``parsed``: the scenario
+    as the caller parsed it already; ``stale``: the core's (``decide``), which raises
+    ``Superseded`` when it says the failure changed.
     """
-    parsed = parse_scenario(scenario)
+    parsed = parsed or parse_scenario(scenario)
     state = state_of(scenario, plan, failed, restartable, parsed=parsed)
     failure = Failure(
         kind=FailureKind(kind), devices=frozenset(devices), detected_by="control plane"
     )
     asked = policies or default_names()
     options = {name: dict(parsed.options[name]) for name in asked if name in parsed.options}
-    choose = grow if grows else decide
-    decision: Decision = choose(state, failure, policies=asked, options=options)
+    if grows:
+        decision: Decision = grow(state, failure, policies=asked, options=options)
+    else:
+        decision = decide(state, failure, policies=asked, options=options, stale=stale)
     return decision_to_dict(decision)
 
 

@@ -7,6 +7,7 @@ Planning runs in Celery (``tasks.plan_recovery``); everything here is safe to ru
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -309,32 +310,46 @@ def plan(
     waits for an operator, or no policy that can recover the job (``notifications``).
 
     Safe to run twice (a redelivered task): a decision no longer planning is left alone. The
-    core runs outside the row lock; if a failure joined meanwhile, planning runs again with it.
+    core runs outside the row lock; if a failure joined meanwhile, planning runs again with it,
+    at once if the core has policies left to ask (``rows.Superseded``): a burst of losses
+    recorded one after another is planned once it has stopped growing, not once per loss.
     Returns the decision's status afterwards.
     """
-    for _ in range(8):
+    parsed: tuple[Any, rows.Scenario] | None = None  # the job's scenario, parsed once
+    for _ in range(PLAN_TRIES):
         decision = RecoveryDecision.objects.select_related("job", "failure").get(pk=decision_id)
         if decision.status != DecisionStatus.PLANNING:
             return decision.status
         job, failure = decision.job, decision.failure
         seen = list(failure.devices)
+        if parsed is None or parsed[0] != job.scenario:
+            parsed = (job.scenario, rows.parse_scenario(job.scenario))
         down = failed_devices(job)
-        answer = rows.decide_for(
-            job.scenario,
-            job.plan,
-            down,
-            kind=failure.kind,
-            devices=seen,
-            policies=list(job.enabled_policies),
-            restartable=_restartable(job, down),
-            grows=decision.grows,
-        )
+        try:
+            answer = rows.decide_for(
+                job.scenario,
+                job.plan,
+                down,
+                kind=failure.kind,
+                devices=seen,
+                policies=list(job.enabled_policies),
+                restartable=_restartable(job, down),
+                grows=decision.grows,
+                parsed=parsed[1],
+                stale=functools.partial(_grown, failure.pk, seen),
+            )
+        except rows.Superseded as exc:
+            log.info("decision.plan_again", decision=decision_id, devices_planned=len(seen),
+                     reason=str(exc))  # fmt: skip
+            continue
         with transaction.atomic():
             locked = RecoveryDecision.objects.select_for_update().get(pk=decision_id)
             if locked.status != DecisionStatus.PLANNING:
                 return locked.status
-            if Failure.objects.get(pk=failure.pk).devices != seen:
-                continue  # more devices joined the failure while the core planned
+            if _grown(failure.pk, seen):
+                log.info("decision.plan_again", decision=decision_id, devices_planned=len(seen),
+                         reason="the failure changed after every policy")  # fmt: skip
+                continue
             status = _proposed(decision, answer, schedule_timeout, notify)
         if status == DecisionStatus.FAILED:
             # a lost node that joined again while this planned: plan again, with it
@@ -343,6 +358,17 @@ def plan(
                 return plan(again.pk, schedule_timeout=schedule_timeout, notify=notify)
         return status
     raise RuntimeError(f"decision {decision_id}: devices kept joining while planning")
+
+
+# How many times a decision is planned before its task gives up, each try after devices
+# joined its failure: a burst of losses recorded one by one over a second takes a few.
+PLAN_TRIES = 16
+
+
+def _grown(failure_id: int, seen: list[int]) -> bool:
+    """Whether the failure's devices are other than ``seen`` now (more joined it)."""
+    devices = Failure.objects.filter(pk=failure_id).values_list("devices", flat=True).get()
+    return bool(devices != seen)
 
 
 def _proposed(

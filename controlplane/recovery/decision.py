@@ -10,11 +10,12 @@ why each policy that did not apply declined.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controlplane.recovery import collector
 from controlplane.recovery import policies as registry
+from controlplane.recovery.errors import Superseded
 from controlplane.recovery.model import Candidate, ClusterState, Failure
 from controlplane.recovery.policies.base import Policy, unchanged
 
@@ -75,18 +76,23 @@ def decide(
     *,
     policies: Sequence[str | Policy],
     options: PolicyOptions | None = None,
+    stale: Callable[[], bool] | None = None,
 ) -> Decision:
     """Every policy's candidates for ``failure`` on ``state``, and the best one by eq. 8.
 
     ``state.failed`` lists every device that is down now (``state.with_failure`` adds a new
     failure's; a device repaired since the failure is no longer down). ``policies`` are registry
     names or policy objects (the simulator keeps one per job); ``options`` go to the named ones.
+    ``stale``, asked before each policy after the first: True raises ``Superseded`` (the
+    failure grew meanwhile, and its caller decides again with the devices it has now).
     """
     asked = resolve(policies, options)
     started = time.perf_counter()
     candidates: list[Candidate] = []
     with collector.paused():
-        for policy in asked:
+        for i, policy in enumerate(asked):
+            if i and stale is not None and stale():
+                raise Superseded(f"the failure changed after {i} of {len(asked)} policies")
             candidates.extend(policy.propose(state, failure))
     return Decision(
         failure=failure,

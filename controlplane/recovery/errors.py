@@ -45,3 +45,10 @@ class UnknownPolicy(RecoveryError):
     """A policy name is not registered."""
 
     code = "unknown_policy"
+
+
+class Superseded(RecoveryError):
+    """The failure being decided changed while its policies ran (``decide``'s ``stale``): an
+    answer for the failure as it was would be thrown away, so the rest is not computed."""
+
+    code = "superseded"

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from controlplane.recovery import policies
 from controlplane.recovery.codes import Code
 from controlplane.recovery.decision import decide, grow
+from controlplane.recovery.errors import Superseded
 from controlplane.recovery.model import Candidate, ClusterState, Failure, FailureKind
 from controlplane.recovery.policies.base import SteadyCosts
 from tests.recovery.builders import examples, grid_state
@@ -148,3 +149,44 @@ def test_policies_decide_with_the_garbage_collector_paused_and_it_runs_again_aft
     finally:
         gc.enable()
     assert policy.seen == [False] * 5
+
+
+@given(
+    objectives=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=1, max_size=5),
+    changed_after=st.integers(1, 6),
+)
+def test_a_failure_that_changed_stops_the_decision_before_the_next_policy(
+    objectives: list[float], changed_after: int
+) -> None:
+    """``stale`` is asked before each policy but the first; once it says the failure changed,
+    no policy runs again and ``Superseded`` is raised. Never changed, the answer is the same."""
+    state = grid_state(pp=2, dp=2, failed=[1])
+    failure = Failure(kind=FailureKind.CRASH, devices=state.failed)
+    ran: list[int] = []
+
+    @dataclass(frozen=True)
+    class Counted(Fixed):
+        index: int = 0
+
+        def propose(self, state: ClusterState, failure: Failure) -> list[Candidate]:
+            ran.append(self.index)
+            return super().propose(state, failure)
+
+    asked = [Counted(objective, index=i) for i, objective in enumerate(objectives)]
+    calls: list[int] = []
+
+    def stale() -> bool:
+        calls.append(len(ran))
+        return len(ran) >= changed_after
+
+    if changed_after < len(objectives):
+        with pytest.raises(Superseded):
+            decide(state, failure, policies=asked, stale=stale)
+        assert ran == list(range(changed_after))
+    else:
+        decision = decide(state, failure, policies=asked, stale=stale)
+        assert ran == list(range(len(objectives)))
+        top = max(objectives)
+        assert decision.chosen == objectives.index(top)
+    # asked before policies 1, 2, ... (after as many had run), up to the one that said so
+    assert calls == list(range(1, min(changed_after, len(objectives) - 1) + 1))
