@@ -57,16 +57,31 @@ BURST_GAP_S = 0.02
 API_PATIENCE_S = 120.0  # how long a read of the API is asked again before the run gives up
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
-# every command of the job's decisions: how many, acknowledged, sent more than once
+# every command of the job's decisions: how many, acknowledged, sent more than once; and when
+# (epoch seconds) the first was written, the last sent, half and all of them acknowledged, and
+# the last of their nodes trained again
 COMMANDS = """
-import json
-from django.db.models import Count, Max, Q
+import json, statistics
+from django.db.models import Count, Max, Min, Q
 from controlplane.incidents.models import AgentCommand
-out = AgentCommand.objects.filter(decision__job_id={job}).values("decision_id").annotate(
+mine = AgentCommand.objects.filter(decision__job_id={job})
+out = mine.values("decision_id").annotate(
     commands=Count("pk"), acked=Count("pk", filter=Q(acked_at__isnull=False)),
-    resent=Count("pk", filter=Q(sends__gt=1)), most_sends=Max("sends"))
-print(json.dumps({{str(r.pop("decision_id")): r for r in out}}))
+    resent=Count("pk", filter=Q(sends__gt=1)), most_sends=Max("sends"),
+    written=Min("created_at"), sent_last=Max("sent_at"), acked_last=Max("acked_at"),
+    resumed_last=Max("resumed_at"))
+found = {{}}
+for r in out:
+    acks = sorted(a.timestamp() for a in mine.filter(decision_id=r["decision_id"],
+                  acked_at__isnull=False).values_list("acked_at", flat=True))
+    r["acked_half"] = statistics.median(acks) if acks else None
+    for k in ("written", "sent_last", "acked_last", "resumed_last"):
+        r[k] = r[k].timestamp() if r[k] is not None else None
+    found[str(r.pop("decision_id"))] = r
+print(json.dumps(found))
 """
+# the moments of a decision's commands, reported from the kill
+MOMENTS = ("written", "sent_last", "acked_half", "acked_last", "resumed_last")
 
 
 class Stack:
@@ -217,7 +232,10 @@ def one_round(stack: Stack, victims: list[str], timeout: float) -> dict[str, Any
         end = phases.get(phase, {}).get("end")
         row[f"kill_to_{name}_s"] = None if end is None else _time(end) - killed_at
     commands = stack.commands().get(str(decision["id"]), {})
-    row.update({f"commands_{k}": v for k, v in commands.items()})
+    row.update({f"commands_{k}": v for k, v in commands.items() if k not in MOMENTS})
+    for moment in MOMENTS:  # where the transfer phase's time goes
+        at = commands.get(moment)
+        row[f"kill_to_{moment}_s"] = None if at is None else round(at - killed_at, 3)
     return row
 
 

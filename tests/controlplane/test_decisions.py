@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from controlplane.bridge import rows
 from controlplane.bridge.rows import InvalidScenario
+from controlplane.demo import scale_scenario
 from controlplane.incidents import decisions
 from controlplane.incidents.decisions import IllegalTransition
 from controlplane.incidents.models import (
@@ -90,6 +91,21 @@ def test_a_job_gets_its_nodes_devices_and_a_token_stored_as_a_digest() -> None:
     assert token not in row.digest and len(row.digest) == 64
     assert AgentToken.find(token) == row
     assert AgentToken.find(token + "x") is None
+
+
+def test_a_large_job_is_made_with_its_tables_analyzed_so_lookups_know_its_size() -> None:
+    """The planner's estimate of a new 1,024-device job's rows is its size, not the few dozen
+    it guesses for a table it has no statistics of (PostgreSQL; SQLite has no such planner)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite plans without statistics; the PostgreSQL pass runs this")
+    job, _ = create_job("large", scale_scenario(128))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "EXPLAIN (FORMAT JSON) SELECT 1 FROM jobs_device WHERE job_id = %s", [job.pk]
+        )
+        estimate = cursor.fetchone()[0][0]["Plan"]["Plan Rows"]
+    assert Device.objects.filter(job=job).count() == 1024
+    assert estimate >= 512, estimate
 
 
 @pytest.mark.parametrize(
@@ -457,6 +473,31 @@ def test_readying_plans_the_first_nodes_loss_writes_nothing_and_leaves_the_plann
     cold = real(job, devices=[8, 9])
     assert warm.pop("search_time_s") >= 0 and cold.pop("search_time_s") >= 0
     assert cold == warm and cold["candidates"]
+
+
+def test_a_jobs_scenario_is_parsed_again_only_when_its_json_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Readying leaves the job's scenario parsed for its first failure; a fresh read of the
+    same JSON finds it, a changed one (a profile's measurement) is parsed again."""
+    job = new_job()
+    parses: list[Any] = []
+    real = rows.parse_scenario
+
+    def counted(data: Any) -> rows.Scenario:
+        parses.append(data)
+        return real(data)
+
+    monkeypatch.setattr(rows, "parse_scenario", counted)
+    first = decisions.scenario_of(job)
+    assert decisions.scenario_of(Job.objects.get(pk=job.pk)) is first
+    changed = scenario()
+    changed["cluster"]["inter_node_gbps"] *= 2
+    Job.objects.filter(pk=job.pk).update(scenario=changed)
+    again = decisions.scenario_of(Job.objects.get(pk=job.pk))
+    assert first.state.cluster.inter_node_gbps is not None
+    assert again.state.cluster.inter_node_gbps == 2 * first.state.cluster.inter_node_gbps
+    assert len(parses) == 2
 
 
 def test_nothing_is_readied_for_a_job_not_running_or_planning_already() -> None:
