@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from controlplane.recovery import collector
 from controlplane.recovery import policies as registry
-from controlplane.recovery.errors import Superseded
 from controlplane.recovery.model import Candidate, ClusterState, Failure
 from controlplane.recovery.policies.base import Policy, unchanged
+from controlplane.recovery.superseding import checkpoint, watching
 
 # Options for each policy by name, as its options class takes them (``policies.describe``).
 PolicyOptions = Mapping[str, Mapping[str, object]]
@@ -83,16 +83,17 @@ def decide(
     ``state.failed`` lists every device that is down now (``state.with_failure`` adds a new
     failure's; a device repaired since the failure is no longer down). ``policies`` are registry
     names or policy objects (the simulator keeps one per job); ``options`` go to the named ones.
-    ``stale``, asked before each policy after the first: True raises ``Superseded`` (the
-    failure grew meanwhile, and its caller decides again with the devices it has now).
+    ``stale``, asked before each policy after the first and within the long ones
+    (``superseding``): True raises ``Superseded`` (the failure grew meanwhile, and its caller
+    decides again with the devices it has now).
     """
     asked = resolve(policies, options)
     started = time.perf_counter()
     candidates: list[Candidate] = []
-    with collector.paused():
+    with collector.paused(), watching(stale):
         for i, policy in enumerate(asked):
-            if i and stale is not None and stale():
-                raise Superseded(f"the failure changed after {i} of {len(asked)} policies")
+            if i:
+                checkpoint(f"after {i} of {len(asked)} policies")
             candidates.extend(policy.propose(state, failure))
     return Decision(
         failure=failure,

@@ -190,3 +190,38 @@ def test_a_failure_that_changed_stops_the_decision_before_the_next_policy(
         assert decision.chosen == objectives.index(top)
     # asked before policies 1, 2, ... (after as many had run), up to the one that said so
     assert calls == list(range(1, min(changed_after, len(objectives) - 1) + 1))
+
+
+@given(
+    failed=st.sets(st.integers(0, 7), min_size=1, max_size=2),
+    yes_at=st.integers(1, 5),
+)
+@settings(max_examples=examples(20), deadline=None)
+def test_the_re_plan_stops_at_its_own_checkpoints_once_the_failure_changed(
+    failed: set[int], yes_at: int
+) -> None:
+    """``dynamic`` alone: no policy comes after it, so only its own checkpoints ask. The first
+    yes raises ``Superseded`` there; with none, the answer is the one made without asking."""
+    state = grid_state(layers=8, pp=2, dp=2, tp=2, spares=2, failed=sorted(failed))
+    failure = Failure(kind=FailureKind.CRASH, devices=frozenset(failed))
+    plain = decide(state, failure, policies=["dynamic"])
+    asked: list[int] = []
+
+    def stale() -> bool:
+        asked.append(1)
+        return len(asked) >= yes_at
+
+    try:
+        decision = decide(state, failure, policies=["dynamic"], stale=stale)
+    except Superseded:
+        assert len(asked) == yes_at
+    else:
+        assert len(asked) < yes_at
+        assert decision.candidates == plain.candidates and decision.chosen == plain.chosen
+
+
+def test_a_re_plan_asks_before_its_first_search() -> None:
+    state = grid_state(layers=8, pp=2, dp=2, failed=[1])
+    failure = Failure(kind=FailureKind.CRASH, devices=frozenset({1}))
+    with pytest.raises(Superseded, match="before the re-plan's first search"):
+        decide(state, failure, policies=["dynamic"], stale=lambda: True)

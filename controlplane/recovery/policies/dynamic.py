@@ -27,6 +27,7 @@ from controlplane.recovery.planner import (
     usable_groups,
 )
 from controlplane.recovery.policies.base import SteadyCosts, interrupted_work_s, score
+from controlplane.recovery.superseding import checkpoint
 
 # Shapes scored with their weight transfer once the fastest is known. The window they come from
 # is exact (see plan_dynamic); the caps bound the work when many shapes tie, as at scale, and a
@@ -118,6 +119,7 @@ def plan_dynamic(
         "dp_options": widths,
         "exhaustive": exhaustive,
     }
+    checkpoint("before the re-plan's first search")
     first = search(state.profile, state.cluster, state.training, top_k=1, **kwargs)  # type: ignore[arg-type]
     # False once a budget cut a search short or a cap left a shape unscored that could win
     complete = first.complete
@@ -181,6 +183,7 @@ def plan_dynamic(
     def evaluate(shape: PlanShape) -> Candidate:
         # the window search finds the first shape again: place and score each shape once
         if shape not in scored:
+            checkpoint("before a re-plan's placement")
             if not listed:
                 listed.extend(usable_groups(state, include_spares=include_spares))
             plan, placement = realize(state, shape, listed)
@@ -213,6 +216,7 @@ def plan_dynamic(
     # Placements cost O(groups) and more at scale, so at most ``limit`` shapes are scored; the
     # window holds one more, to tell whether the cap left out a shape that could still win.
     limit = None if exhaustive else max(WINDOW_MIN_SCORED, WINDOW_PLACED_GROUPS // count)
+    checkpoint("before the re-plan's window search")
     window = search(
         state.profile,
         state.cluster,
