@@ -311,7 +311,9 @@ PREFILL_LIMIT = 100_000
 def _proposal(decision: RecoveryDecision) -> Any:
     """The plan an override starts from: the chosen candidate's, or the decision's."""
     if decision.decision and decision.decision.get("chosen") is not None:
-        return decision.decision["candidates"][decision.decision["chosen"]]["plan"]
+        # an ``auto`` decision's candidates have their plans a moment after it applies
+        chosen = decision.decision["candidates"][decision.decision["chosen"]]
+        return chosen.get("plan", decision.plan)
     return decision.plan
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from controlplane.bridge import rows
@@ -402,23 +402,54 @@ def _proposed(
     deadline = None
     if job.approval_mode == ApprovalMode.MANUAL_WITH_TIMEOUT:
         deadline = timezone.now() + dt.timedelta(seconds=job.approval_timeout_s)
+    auto = job.approval_mode == ApprovalMode.AUTO
     transition(
         decision.pk,
         DecisionStatus.PROPOSED,
         actor="planner",
         payload=summary,
-        decision=answer,
+        decision=_without_plans(answer) if auto else answer,
         chosen=chosen,
         plan=best_plan,
         deadline_at=deadline,
     )
-    if job.approval_mode == ApprovalMode.AUTO:
-        return apply_proposal(decision.pk, actor="auto").status
+    if auto:
+        applied = apply_proposal(decision.pk, actor="auto")
+        # after the commands' publication, which the commit hands over first
+        transaction.on_commit(lambda: _store_candidates(decision.pk, answer))
+        return applied.status
     if deadline is not None and schedule_timeout is not None:
         transaction.on_commit(lambda: schedule_timeout(decision.pk, job.approval_timeout_s))
     if notify is not None:
         notifications.announce(reload(decision), notifications.PROPOSED, send=notify)
     return DecisionStatus.PROPOSED
+
+
+# What a proposal applied at once (``auto``) stores of its candidates before its commands go
+# out: the rest, their plans and each device's peak memory, are megabytes at 16,384 devices
+# (4 MB of JSON, 0.37 s to write), stored right after the commands are published
+# (``_store_candidates``). A worker lost in between leaves them without; the chosen plan is the
+# decision's own, stored with it.
+PLAN_FIELDS = ("plan", "peak_memory_bytes")
+
+
+def _without_plans(answer: dict[str, Any]) -> dict[str, Any]:
+    """The core's answer with its candidates' ``PLAN_FIELDS`` left out."""
+    return {
+        **answer,
+        "candidates": [
+            {k: v for k, v in c.items() if k not in PLAN_FIELDS} for c in answer["candidates"]
+        ],
+    }
+
+
+def _store_candidates(decision_id: int, answer: dict[str, Any]) -> None:
+    """The whole answer, once the commands are out; logged, not raised, if the database
+    refuses (the recovery goes on: only the record of the candidates' plans is missing)."""
+    try:
+        RecoveryDecision.objects.filter(pk=decision_id).update(decision=answer)
+    except DatabaseError as exc:
+        log.warning("decision.candidates_not_stored", decision=decision_id, error=str(exc))
 
 
 # --- choosing ------------------------------------------------------------------------------

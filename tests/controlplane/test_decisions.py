@@ -143,15 +143,29 @@ def test_unknown_policies_and_modes_are_refused() -> None:
 # --- failures and planning -----------------------------------------------------------------
 
 
-def test_auto_job_applies_the_best_candidate_and_records_each_step() -> None:
+def test_auto_job_applies_the_best_candidate_and_records_each_step(
+    django_capture_on_commit_callbacks: Callable[..., Any],
+) -> None:
     job = new_job(ApprovalMode.AUTO, enabled_policies=["odyssey", "rerouting", "checkpoint"])
     failure, decision = fail(job, 5)
     assert decision.status == DecisionStatus.PLANNING
     assert Job.objects.get(pk=job.pk).status == JobStatus.RECOVERING
     assert 0.2 <= failure.detection_latency_s < 5
-    assert decisions.plan(decision.pk) == DecisionStatus.APPLYING
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert decisions.plan(decision.pk) == DecisionStatus.APPLYING
+    # committed with the commands: every candidate but its plan and memory (megabytes at
+    # scale), and the chosen plan as the decision's own; the rest once the commands are out
+    light = reload(decision)
+    assert light.plan is not None and light.chosen is not None
+    assert [c["policy"] for c in light.candidates] == ["odyssey", "rerouting", "checkpoint"]
+    assert not [c for c in light.candidates if {"plan", "peak_memory_bytes"} & c.keys()]
+    for callback in callbacks[:-1]:  # the commands' publication comes first
+        callback()
+    assert not [c for c in reload(decision).candidates if "plan" in c]
+    callbacks[-1]()
     decision = reload(decision)
     candidates = decision.candidates
+    assert [c for c in candidates if c["feasible"] and "plan" not in c] == []
     assert [c["policy"] for c in candidates] == ["odyssey", "rerouting", "checkpoint"]
     feasible = [c for c in candidates if c["feasible"]]
     assert decision.chosen is not None
