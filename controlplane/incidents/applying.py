@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F, Min, Q, QuerySet
 from django.utils import timezone
 from redis.exceptions import RedisError
@@ -94,18 +94,16 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
             )
         )
     ids = [c.id for c in commands]
+    sent = [{"node": c.node.name, "command": str(c.id), "action": c.action} for c in commands]
     applying = transition(
         decision.pk,
         DecisionStatus.APPLYING,
         actor=actor,
         payload={"nodes": [n.name for n in nodes]},
-        after_commit=lambda _: _send_quietly(ids),
+        after_commit=lambda decision: _send_quietly(ids, decision, sent),
         packed_plan=protocol.pack_plan(plan or {}),
     )
     AgentCommand.objects.bulk_create(commands)
-    record_each(job, EventKind.COMMAND_SENT,
-                ({"node": c.node.name, "command": str(c.id), "action": c.action} for c in commands),
-                actor="system", decision=applying)  # fmt: skip
     _plan_becomes_the_jobs(job, plan)
     return applying
 
@@ -181,8 +179,18 @@ def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
     )
 
 
-def _send_quietly(command_ids: list[uuid.UUID]) -> None:
+def _send_quietly(
+    command_ids: list[uuid.UUID], decision: RecoveryDecision, sent: list[dict[str, Any]]
+) -> None:
+    """The commands published once their decision is committed, then each one's
+    ``command_sent`` event: 2,048 rows at 2,048 nodes, 0.1 s that no longer holds the commands
+    back (a worker lost in between leaves the timeline without them; the commands are sent
+    again by the detector, and acknowledged, all the same)."""
     send(command_ids)
+    try:
+        record_each(decision.job, EventKind.COMMAND_SENT, sent, actor="system", decision=decision)
+    except DatabaseError as exc:
+        log.warning("command.sent_not_recorded", decision=decision.pk, error=str(exc))
 
 
 def send(command_ids: Iterable[uuid.UUID]) -> int:
