@@ -416,6 +416,7 @@ def _record_acks(batch: list[tuple[Session, protocol.Ack]]) -> list[str | Except
             results.append("command")
         else:
             results.append("drill" if drills.acked(session.node_id, ack) is not None else None)
+    log.info("agent.acks", recorded=results.count("command"), of=len(batch))
     return results
 
 
@@ -728,9 +729,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         if frame.ok:
             self.awaited.setdefault(frame.command, Awaited()).acked = True
+            # one line a batch says how many (``_record_acks``): a line each was 2,047 lines and
+            # 0.08 s of the event loop in every recovery of a 2,048-node job
+            log.debug("agent.ack", node=session.node, command=frame.command, ok=True)
         else:
             self.awaited.pop(frame.command, None)
-        log.info("agent.ack", node=session.node, command=frame.command, ok=frame.ok)
+            log.info("agent.ack", node=session.node, command=frame.command, ok=False)
 
     async def trains(self, step: int) -> None:
         """The node trains at ``step``: tell each acknowledged command's decision, once per
