@@ -371,6 +371,7 @@ async def run(period_s: float | None = None, *, lease_ttl_s: float = LEASE_TTL_S
     next_overdue = next_history = 0.0
     try:
         while True:
+            liveness.stop_if_cancelled()
             leading = False
             try:
                 leading = await lease.hold()

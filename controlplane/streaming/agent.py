@@ -526,6 +526,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.scope, self.channel_layer, self.base_send = scope, None, send
         try:
             while True:
+                liveness.stop_if_cancelled()  # a frame's Redis write may have swallowed it
                 await self.dispatch(await receive())
         except StopConsumer:  # the socket closed (``websocket_disconnect``)
             pass

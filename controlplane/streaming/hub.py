@@ -108,6 +108,7 @@ class Hub:
         restart (messages published meanwhile are lost, which the senders allow for)."""
         backoff = 0.1
         while self.handlers:
+            liveness.stop_if_cancelled()
             client = aioredis.Redis.from_url(
                 settings.REDIS_URL, socket_connect_timeout=liveness.CONNECT_TIMEOUT_S
             )
@@ -119,6 +120,7 @@ class Hub:
                 loop = asyncio.get_running_loop()
                 turn_ends = loop.time() + TURN_S
                 while self.handlers:
+                    liveness.stop_if_cancelled()
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
                         await self._deliver(message)
