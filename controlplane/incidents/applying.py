@@ -256,6 +256,13 @@ def ack_error(ack: protocol.Ack) -> str:
     return "" if ack.error is None else f"[{ack.error.code}] {ack.error.message}"
 
 
+# What recording acknowledgements and progress reads of a command, and of its node: at 2,048
+# nodes, whole rows (the frame's JSON, the node's every field) were most of each batch's reading,
+# in the server's threads beside its busy event loop.
+ACKED_READS = ("node_id", "decision_id", "acked_at", "ok", "error", "node__name")
+PROGRESS_READS = ("decision_id", "resumed_at", "resumed_step", "stepped_at", "stepped_step")
+
+
 def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | None]:
     """Record agents' acknowledgements (node, ack) together, in one transaction; for each, its
     command, or None when its node was sent no such command. A refusal fails the decision with
@@ -269,6 +276,7 @@ def acked_each(acks: Sequence[tuple[int, protocol.Ack]]) -> list[AgentCommand | 
             c.pk: c
             for c in AgentCommand.objects.select_for_update(of=("self",))
             .select_related("node")
+            .only(*ACKED_READS)
             .filter(pk__in=[i for i in ids if i is not None])
         }
         commands: list[AgentCommand | None] = []
@@ -338,9 +346,9 @@ def progress_each(reports: Sequence[tuple[str, int]]) -> list[int | None]:
     with transaction.atomic():
         commands = {
             c.pk: c
-            for c in AgentCommand.objects.select_for_update(of=("self",)).filter(
-                pk__in=[i for i in ids if i is not None]
-            )
+            for c in AgentCommand.objects.select_for_update(of=("self",))
+            .only(*PROGRESS_READS)
+            .filter(pk__in=[i for i in ids if i is not None])
         }
         applying = {
             d.pk: d
