@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import itertools
 import json
 import math
 import re
@@ -379,13 +380,122 @@ class RestoreMode(StrEnum):
 
 def pack_plan(plan: dict[str, Any]) -> str:
     """A plan as a command carries it: its JSON deflated (zlib), in base64, each rerouted stage
-    that borrows exactly its peers (``_peers``) written ``"devices": [], "peers": true``.
+    that borrows exactly its peers (``_peers``) written ``"devices": [], "peers": true``, and
+    the plan in columns (``_columns``) when it has only the plan format's fields.
 
     A rerouted stage lists every live replica it borrows: after ten nodes of a 16,384-device job
     were lost, 88 rerouted stages listed 358,512 devices, and the plan packed to 1.1 MB, past a
-    server frame, where it packs to 60 kB without them."""
-    text = json.dumps(_peers_left_out(plan), separators=(",", ":")).encode()
+    server frame, where it packs to 60 kB without them; in columns, to 0.6 kB."""
+    text = json.dumps(_columns(_peers_left_out(plan)), separators=(",", ":")).encode()
     return base64.b64encode(zlib.compress(text, 6)).decode("ascii")
+
+
+COLUMNS = 1  # the columns' format, in the field that marks a plan packed in columns
+_STAGE_FIELDS = frozenset({"devices", "layers", "rerouted", "peers"})
+_COLUMN_FIELDS = frozenset(
+    {"columns", "family", "micro_batches", "stages", "sizes", "layers", "devices", "rerouted",
+     "peers"}
+)  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _columns(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan as columns: each pipeline's micro-batches and number of stages, each stage's
+    number of devices, its layers and its devices as differences from the number before, and
+    which stages are rerouted or borrow their peers. Stages are alike and their devices count
+    up, so the columns deflate to a hundredth of the plan's objects (16,384 devices: 0.6 kB
+    against 60 kB). A plan with any other field, or a value of another type, is kept as it is."""
+    pipelines = plan.get("pipelines")
+    if not set(plan) <= {"family", "pipelines"} or not isinstance(pipelines, list):
+        return plan
+    micro, counts, sizes, layers, devices, rerouted, peers = [], [], [], [], [], [], []
+    index = 0
+    for pipeline in pipelines:
+        if not isinstance(pipeline, dict) or set(pipeline) != {"stages", "micro_batches"}:
+            return plan
+        stages = pipeline["stages"]
+        if not _is_int(pipeline["micro_batches"]) or not isinstance(stages, list):
+            return plan
+        micro.append(pipeline["micro_batches"])
+        counts.append(len(stages))
+        for stage in stages:
+            if (
+                not isinstance(stage, dict)
+                or not {"devices", "layers"} <= set(stage) <= _STAGE_FIELDS
+                or not isinstance(stage["devices"], list)
+                or not all(map(_is_int, stage["devices"]))
+                or not isinstance(stage["layers"], list)
+                or len(stage["layers"]) != 2
+                or not all(map(_is_int, stage["layers"]))
+                or stage.get("rerouted", True) is not True
+                or stage.get("peers", True) is not True
+            ):
+                return plan
+            sizes.append(len(stage["devices"]))
+            layers.extend(stage["layers"])
+            devices.extend(stage["devices"])
+            if "rerouted" in stage:
+                rerouted.append(index)
+            if "peers" in stage:
+                peers.append(index)
+            index += 1
+    out: dict[str, Any] = {"columns": COLUMNS}
+    if "family" in plan:
+        out["family"] = plan["family"]
+    out.update(micro_batches=micro, stages=counts, sizes=sizes, layers=_differences(layers),
+               devices=_differences(devices), rerouted=rerouted, peers=peers)  # fmt: skip
+    return out
+
+
+def _differences(values: list[int]) -> list[int]:
+    return [b - a for a, b in itertools.pairwise([0, *values])]
+
+
+def _from_columns(packed: dict[str, Any]) -> dict[str, Any]:
+    """``_columns`` undone; ValueError for columns that do not agree with each other."""
+    try:
+        micro, counts, sizes = packed["micro_batches"], packed["stages"], packed["sizes"]
+        layers = list(itertools.accumulate(packed["layers"]))
+        devices = list(itertools.accumulate(packed["devices"]))
+        rerouted, peers = set(packed["rerouted"]), set(packed["peers"])
+        if (
+            packed["columns"] != COLUMNS
+            or not set(packed) <= _COLUMN_FIELDS
+            or len(micro) != len(counts)
+            or sum(counts) != len(sizes)
+            or len(layers) != 2 * len(sizes)
+            or sum(sizes) != len(devices)
+            or min(counts, default=0) < 0
+            or min(sizes, default=0) < 0
+            or not all(map(_is_int, [*micro, *counts, *sizes, *layers, *devices]))
+            or not (rerouted | peers) <= set(range(len(sizes)))
+        ):
+            raise ValueError("its columns do not agree")
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"its columns do not agree: {exc}") from None
+    pipelines, stage, first = [], 0, 0
+    for micro_batches, count in zip(micro, counts, strict=True):
+        stages = []
+        for index in range(stage, stage + count):
+            built: dict[str, Any] = {
+                "devices": devices[first : first + sizes[index]],
+                "layers": layers[2 * index : 2 * index + 2],
+            }
+            if index in rerouted:
+                built["rerouted"] = True
+            if index in peers:
+                built["peers"] = True
+            stages.append(built)
+            first += sizes[index]
+        stage += count
+        pipelines.append({"stages": stages, "micro_batches": micro_batches})
+    plan: dict[str, Any] = {"pipelines": pipelines}
+    if "family" in packed:
+        plan = {"family": packed["family"], **plan}
+    return plan
 
 
 def _peers(pipelines: list[Any]) -> dict[tuple[Any, ...], list[Any]]:
@@ -461,6 +571,8 @@ def unpack_plan(packed: str) -> dict[str, Any]:
         raise ValueError(f"not a deflated plan: {exc}") from None
     if not isinstance(plan, dict):
         raise ValueError("a plan is a JSON object")
+    if "columns" in plan:
+        plan = _from_columns(plan)
     return _peers_put_back(plan)
 
 

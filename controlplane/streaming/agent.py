@@ -779,13 +779,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
         command_id = str(frame["id"])
         if self.closing or command_id in self.told:
             # sent on this socket already: its agent has it (``applying.resend`` publishes again
-            # what it does not know was handed over; a plan's 60 kB a node, each time)
+            # what it does not know was handed over; the plan with each)
             return
         if frame.get("action") != protocol.Action.INJECT:  # a drill awaits no training
             self.awaited.setdefault(command_id, Awaited())
         text = json.dumps(frame, separators=(",", ":"))
         if applying.lacks_plan(frame):
-            # the plan's 60 kB are encoded once a decision, not once a node
+            # the plan is encoded once a decision, not once a node
             text = text[:-1] + await plans().tail(int(frame["decision"]))
         await self.tell(text)
         if not self.closing:  # not published again (``applying.resend``)
