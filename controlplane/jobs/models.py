@@ -8,6 +8,7 @@ spares. Live heartbeat data (last seen, latest metrics) is kept in Redis, not he
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 from typing import Any
@@ -52,11 +53,13 @@ class PlanField(models.JSONField):
     JSON string) and read back as the plan's object. A plan of 16,384 devices is 0.7 MB of JSON,
     3 MB once ten nodes are rerouted, written as a decision is made and applied: 0.07 and 0.22 s
     each on PostgreSQL, against 0.03 and 0.04 s packed. A row written before holds the object,
-    read as it is; a string that is not a packed plan is read as the string."""
+    read as it is; a string that is not a packed plan is read as the string, and an object that
+    cannot be packed (not in the plan format) is stored as it is."""
 
     def get_prep_value(self, value: Any) -> Any:
         if isinstance(value, dict):
-            value = protocol.pack_plan(value)
+            with contextlib.suppress(TypeError, AttributeError, KeyError, ValueError):
+                value = protocol.pack_plan(value)
         return super().get_prep_value(value)
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:

@@ -46,3 +46,10 @@ def test_a_plan_stored_as_its_object_before_is_read_as_it_is() -> None:
     assert Job.objects.get(pk=job.pk).plan == scenario["plan"]
     Job.objects.filter(pk=job.pk).update(plan=Value("not a plan", models.JSONField()))
     assert Job.objects.get(pk=job.pk).plan == "not a plan"
+
+
+@pytest.mark.parametrize("odd", [{}, {"pipelines": [1]}, {"pipelines": [{"stages": [7]}]}])
+def test_an_object_that_is_no_plan_is_kept_as_it_is(odd: dict[str, Any]) -> None:
+    job, _ = create_job("odd", scale_scenario(2))
+    Job.objects.filter(pk=job.pk).update(plan=odd)
+    assert Job.objects.get(pk=job.pk).plan == odd
