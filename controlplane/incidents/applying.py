@@ -95,16 +95,17 @@ def begin(decision: RecoveryDecision, *, actor: str) -> RecoveryDecision:
         )
     ids = [c.id for c in commands]
     sent = [{"node": c.node.name, "command": str(c.id), "action": c.action} for c in commands]
+    packed = protocol.pack_plan(plan or {})
     applying = transition(
         decision.pk,
         DecisionStatus.APPLYING,
         actor=actor,
         payload={"nodes": [n.name for n in nodes]},
         after_commit=lambda decision: _send_quietly(ids, decision, sent),
-        packed_plan=protocol.pack_plan(plan or {}),
+        packed_plan=packed,
     )
     AgentCommand.objects.bulk_create(commands)
-    _plan_becomes_the_jobs(job, plan)
+    _plan_becomes_the_jobs(job, plan, packed)
     return applying
 
 
@@ -160,13 +161,14 @@ def live_holders(job: Job, plan: Any, nodes: Iterable[Node]) -> list[int] | None
     return sorted(alive) if alive - after else None
 
 
-def _plan_becomes_the_jobs(job: Job, plan: Any) -> None:
+def _plan_becomes_the_jobs(job: Job, plan: Any, packed: str) -> None:
     """The job runs ``plan`` from now on: its devices used, the others idle (or still down).
 
     A plan uses a failed device only when it restarts a process's fault in place (the
     ``restart`` policy: the device runs the new process), so every device it uses is healthy."""
     used = plan_devices(plan)
-    Job.objects.filter(pk=job.pk).update(plan=plan)
+    # the text ``PlanField`` would store for ``plan``, packed once for the commands too
+    Job.objects.filter(pk=job.pk).update(plan=plan if plan is None else packed)
     devices = Device.objects.filter(job=job)
     # the shorter list of the two: a plan uses all devices but a few, or a few of them (a
     # query listing 16,384 device numbers was a tenth of a planner's work at 2,048 nodes)
